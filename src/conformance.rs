@@ -1,0 +1,380 @@
+//! A conformance suite for [`Store`] implementations.
+//!
+//! Every store in this crate runs it, and so should yours: one line in your tests generates a
+//! `#[tokio::test]` per case, each against a fresh store from your expression.
+//!
+//! ```ignore
+//! tower_idempotency::store_conformance_tests!(async { MyStore::connect("...").await.unwrap() });
+//! ```
+//!
+//! Each case works under a scope of its own (a random UUID), so cases can share one backend and
+//! run in parallel. Some cases wait for leases and retention to expire: with the short times they
+//! use, the whole suite takes a few seconds. A case panics with a message naming the rule broken.
+//!
+//! Needs the `conformance` feature and `tokio` with the `macros` and `rt-multi-thread` features.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use uuid::Uuid;
+
+use crate::{
+    Fingerprint, IdempotencyKey, StoredResponse,
+    store::{ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, Store},
+};
+
+/// Generates one `#[tokio::test]` per conformance case, each calling `$make.await` for its store.
+#[macro_export]
+macro_rules! store_conformance_tests {
+    ($make:expr) => {
+        $crate::store_conformance_tests!(@cases $make;
+            fresh_key_is_acquired,
+            live_claim_is_in_flight,
+            other_fingerprint_mismatches_in_flight,
+            completed_key_replays_its_response,
+            other_fingerprint_mismatches_completed,
+            response_without_body_replays_as_such,
+            released_key_is_claimable_with_greater_fence,
+            expired_lease_is_reclaimable_with_greater_fence,
+            renewal_keeps_the_lease,
+            stale_owner_changes_nothing,
+            strangers_change_nothing,
+            finished_key_cannot_be_finalized_again,
+            retention_expiry_frees_the_key,
+            scopes_are_independent,
+            concurrent_claims_have_one_winner,
+        );
+    };
+    (@cases $make:expr; $($case:ident,)*) => {
+        $(
+            #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let store = $make.await;
+                $crate::conformance::$case(&store).await;
+            }
+        )*
+    };
+}
+
+/// The lease used by cases that do not wait for it to expire.
+const LONG: Duration = Duration::from_secs(30);
+/// The lease (or retention) used by cases that wait for it to expire.
+const SHORT: Duration = Duration::from_millis(300);
+/// Comfortably past [`SHORT`], for clocks that tick coarsely.
+const PAST_SHORT: Duration = Duration::from_millis(700);
+
+/// A fresh record under a scope of its own.
+fn record() -> RecordKey {
+    RecordKey::new(
+        format!("conformance-{}", Uuid::new_v4()),
+        IdempotencyKey::try_from("key-1").unwrap(),
+    )
+}
+
+fn fingerprint(body: &str) -> Fingerprint {
+    let parts = http::Request::post("/payments")
+        .body(())
+        .unwrap()
+        .into_parts()
+        .0;
+    Fingerprint::of_request(&parts, &[], body.as_bytes())
+}
+
+fn request(record: &RecordKey, body: &str, lease: Duration) -> ClaimRequest {
+    ClaimRequest::new(record.clone(), fingerprint(body), Uuid::new_v4(), lease)
+}
+
+/// A response with every awkward part: repeated headers, opaque bytes, binary body, trailers.
+fn response() -> StoredResponse {
+    let mut headers = HeaderMap::new();
+    headers.append("content-type", HeaderValue::from_static("application/json"));
+    headers.append("location", HeaderValue::from_static("/payments/pay_1"));
+    headers.append("x-repeated", HeaderValue::from_static("first"));
+    headers.append("x-repeated", HeaderValue::from_static("second"));
+    headers.append("x-opaque", HeaderValue::from_bytes(b"\xfe\xff").unwrap());
+    let mut trailers = HeaderMap::new();
+    trailers.append("grpc-status", HeaderValue::from_static("0"));
+    StoredResponse::new(
+        StatusCode::CREATED,
+        headers,
+        Some(Bytes::from_static(b"{\"id\":\"pay_1\"}\x00\xff\r\n")),
+        Some(trailers),
+    )
+}
+
+async fn claim(store: &impl Store, request: &ClaimRequest) -> ClaimOutcome {
+    store
+        .claim(request)
+        .await
+        .unwrap_or_else(|e| panic!("claim of {} failed: {e:?}", request.record()))
+}
+
+/// Claims and expects to acquire; returns the lease.
+async fn acquire(store: &impl Store, request: &ClaimRequest) -> Lease {
+    match claim(store, request).await {
+        ClaimOutcome::Acquired { fence } => request.lease_with_fence(fence),
+        other => panic!(
+            "claim of {} should have acquired, got {other:?}",
+            request.record()
+        ),
+    }
+}
+
+async fn complete(store: &impl Store, lease: &Lease, response: &StoredResponse) -> Ownership {
+    store
+        .complete(lease, response, LONG)
+        .await
+        .expect("complete failed")
+}
+
+async fn release(store: &impl Store, lease: &Lease) -> Ownership {
+    store.release(lease).await.expect("release failed")
+}
+
+async fn renew(store: &impl Store, lease: &Lease, duration: Duration) -> Ownership {
+    store.renew(lease, duration).await.expect("renew failed")
+}
+
+/// A first claim acquires, with a positive fence.
+pub async fn fresh_key_is_acquired(store: &impl Store) {
+    let lease = acquire(store, &request(&record(), "a", LONG)).await;
+    assert!(lease.fence() > 0, "fences start above zero");
+}
+
+/// A second claim during a live lease is in flight, with the time left on the lease.
+pub async fn live_claim_is_in_flight(store: &impl Store) {
+    let record = record();
+    acquire(store, &request(&record, "a", LONG)).await;
+    match claim(store, &request(&record, "a", LONG)).await {
+        ClaimOutcome::InFlight { retry_after } => assert!(
+            retry_after > Duration::ZERO && retry_after <= LONG,
+            "retry_after {retry_after:?} is not within the lease"
+        ),
+        other => panic!("a live claim must answer InFlight, got {other:?}"),
+    }
+}
+
+/// A claim with another fingerprint while in flight is a mismatch.
+pub async fn other_fingerprint_mismatches_in_flight(store: &impl Store) {
+    let record = record();
+    acquire(store, &request(&record, "a", LONG)).await;
+    assert_eq!(
+        claim(store, &request(&record, "b", LONG)).await,
+        ClaimOutcome::Mismatch
+    );
+}
+
+/// A completed key replays exactly what was stored.
+pub async fn completed_key_replays_its_response(store: &impl Store) {
+    let record = record();
+    let lease = acquire(store, &request(&record, "a", LONG)).await;
+    assert_eq!(complete(store, &lease, &response()).await, Ownership::Held);
+    match claim(store, &request(&record, "a", LONG)).await {
+        ClaimOutcome::Completed(stored) => {
+            assert_eq!(*stored, response());
+            let order = |r: &StoredResponse| {
+                r.headers()
+                    .iter()
+                    .map(|(_, v)| v.clone())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(order(&stored), order(&response()), "header order changed");
+        }
+        other => panic!("a completed key must replay, got {other:?}"),
+    }
+}
+
+/// A claim with another fingerprint on a completed key is a mismatch, not a replay.
+pub async fn other_fingerprint_mismatches_completed(store: &impl Store) {
+    let record = record();
+    let lease = acquire(store, &request(&record, "a", LONG)).await;
+    complete(store, &lease, &response()).await;
+    assert_eq!(
+        claim(store, &request(&record, "b", LONG)).await,
+        ClaimOutcome::Mismatch
+    );
+}
+
+/// A response stored without its body (over the cache limit) still completes the key.
+pub async fn response_without_body_replays_as_such(store: &impl Store) {
+    let record = record();
+    let lease = acquire(store, &request(&record, "a", LONG)).await;
+    let bodyless = StoredResponse::new(StatusCode::OK, HeaderMap::new(), None, None);
+    assert_eq!(complete(store, &lease, &bodyless).await, Ownership::Held);
+    assert_eq!(
+        claim(store, &request(&record, "a", LONG)).await,
+        ClaimOutcome::Completed(Box::new(bodyless))
+    );
+}
+
+/// A released key can be claimed again (even with another fingerprint), with a greater fence.
+pub async fn released_key_is_claimable_with_greater_fence(store: &impl Store) {
+    let record = record();
+    let first = acquire(store, &request(&record, "a", LONG)).await;
+    assert_eq!(release(store, &first).await, Ownership::Held);
+    let second = acquire(store, &request(&record, "b", LONG)).await;
+    assert!(
+        second.fence() > first.fence(),
+        "fence {} after release is not greater than {}",
+        second.fence(),
+        first.fence()
+    );
+}
+
+/// Once a lease expires, the next claim acquires, with a greater fence.
+pub async fn expired_lease_is_reclaimable_with_greater_fence(store: &impl Store) {
+    let record = record();
+    let first = acquire(store, &request(&record, "a", SHORT)).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let second = acquire(store, &request(&record, "a", LONG)).await;
+    assert!(
+        second.fence() > first.fence(),
+        "a reclaim must raise the fence"
+    );
+}
+
+/// Renewal moves the lease deadline: the key stays in flight past the first lease.
+pub async fn renewal_keeps_the_lease(store: &impl Store) {
+    let record = record();
+    let lease = acquire(store, &request(&record, "a", SHORT)).await;
+    assert_eq!(renew(store, &lease, LONG).await, Ownership::Held);
+    tokio::time::sleep(PAST_SHORT).await;
+    assert!(
+        matches!(
+            claim(store, &request(&record, "a", LONG)).await,
+            ClaimOutcome::InFlight { .. }
+        ),
+        "a renewed lease expired at its first deadline"
+    );
+    assert_eq!(complete(store, &lease, &response()).await, Ownership::Held);
+}
+
+/// After a reclaim, the old owner can neither renew, complete nor release; the new owner can.
+pub async fn stale_owner_changes_nothing(store: &impl Store) {
+    let record = record();
+    let stale = acquire(store, &request(&record, "a", SHORT)).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let current = acquire(store, &request(&record, "a", LONG)).await;
+
+    assert_eq!(renew(store, &stale, LONG).await, Ownership::Lost);
+    let stale_response = StoredResponse::new(StatusCode::ACCEPTED, HeaderMap::new(), None, None);
+    assert_eq!(
+        complete(store, &stale, &stale_response).await,
+        Ownership::Lost
+    );
+    assert_eq!(release(store, &stale).await, Ownership::Lost);
+    assert!(
+        matches!(
+            claim(store, &request(&record, "a", LONG)).await,
+            ClaimOutcome::InFlight { .. }
+        ),
+        "a stale owner's writes disturbed the current claim"
+    );
+
+    assert_eq!(
+        complete(store, &current, &response()).await,
+        Ownership::Held
+    );
+    assert_eq!(
+        claim(store, &request(&record, "a", LONG)).await,
+        ClaimOutcome::Completed(Box::new(response())),
+        "the replay must be the current owner's response"
+    );
+}
+
+/// A token that never held the key changes nothing.
+pub async fn strangers_change_nothing(store: &impl Store) {
+    let record = record();
+    let lease = acquire(store, &request(&record, "a", LONG)).await;
+    let stranger = Lease::new(record.clone(), Uuid::new_v4(), lease.fence());
+    assert_eq!(renew(store, &stranger, LONG).await, Ownership::Lost);
+    assert_eq!(
+        complete(store, &stranger, &response()).await,
+        Ownership::Lost
+    );
+    assert_eq!(release(store, &stranger).await, Ownership::Lost);
+    assert!(matches!(
+        claim(store, &request(&record, "a", LONG)).await,
+        ClaimOutcome::InFlight { .. }
+    ));
+    // A stranger on a key that does not exist at all.
+    let nowhere = Lease::new(self::record(), Uuid::new_v4(), 1);
+    assert_eq!(renew(store, &nowhere, LONG).await, Ownership::Lost);
+    assert_eq!(
+        complete(store, &nowhere, &response()).await,
+        Ownership::Lost
+    );
+    assert_eq!(release(store, &nowhere).await, Ownership::Lost);
+}
+
+/// A completed key is final: completing or releasing it again changes nothing.
+pub async fn finished_key_cannot_be_finalized_again(store: &impl Store) {
+    let record = record();
+    let lease = acquire(store, &request(&record, "a", LONG)).await;
+    assert_eq!(complete(store, &lease, &response()).await, Ownership::Held);
+    let other = StoredResponse::new(StatusCode::GONE, HeaderMap::new(), None, None);
+    assert_eq!(complete(store, &lease, &other).await, Ownership::Lost);
+    assert_eq!(release(store, &lease).await, Ownership::Lost);
+    assert_eq!(renew(store, &lease, LONG).await, Ownership::Lost);
+    assert_eq!(
+        claim(store, &request(&record, "a", LONG)).await,
+        ClaimOutcome::Completed(Box::new(response()))
+    );
+}
+
+/// A completed key is forgotten after its retention.
+pub async fn retention_expiry_frees_the_key(store: &impl Store) {
+    let record = record();
+    let lease = acquire(store, &request(&record, "a", LONG)).await;
+    assert_eq!(
+        store
+            .complete(&lease, &response(), SHORT)
+            .await
+            .expect("complete failed"),
+        Ownership::Held
+    );
+    tokio::time::sleep(PAST_SHORT).await;
+    let again = acquire(store, &request(&record, "b", LONG)).await;
+    assert!(again.fence() > lease.fence());
+}
+
+/// The same key in two scopes is two keys.
+pub async fn scopes_are_independent(store: &impl Store) {
+    let key = IdempotencyKey::try_from("shared-key").unwrap();
+    let tenant_a = RecordKey::new(format!("conformance-a-{}", Uuid::new_v4()), key.clone());
+    let tenant_b = RecordKey::new(format!("conformance-b-{}", Uuid::new_v4()), key);
+    let a = acquire(store, &request(&tenant_a, "a", LONG)).await;
+    let b = acquire(store, &request(&tenant_b, "b", LONG)).await;
+    assert_eq!(complete(store, &a, &response()).await, Ownership::Held);
+    assert!(matches!(
+        claim(store, &request(&tenant_b, "b", LONG)).await,
+        ClaimOutcome::InFlight { .. }
+    ));
+    assert_eq!(release(store, &b).await, Ownership::Held);
+    assert_eq!(
+        claim(store, &request(&tenant_a, "a", LONG)).await,
+        ClaimOutcome::Completed(Box::new(response()))
+    );
+}
+
+/// Many simultaneous claims of one key: exactly one acquires, every other is in flight.
+pub async fn concurrent_claims_have_one_winner<S: Store>(store: &S) {
+    const CLAIMS: usize = 16;
+    for _round in 0..5 {
+        let record = record();
+        let requests: Vec<_> = (0..CLAIMS).map(|_| request(&record, "a", LONG)).collect();
+        let outcomes =
+            futures_util::future::join_all(requests.iter().map(|r| claim(store, r))).await;
+        let acquired = outcomes
+            .iter()
+            .filter(|o| matches!(o, ClaimOutcome::Acquired { .. }))
+            .count();
+        let in_flight = outcomes
+            .iter()
+            .filter(|o| matches!(o, ClaimOutcome::InFlight { .. }))
+            .count();
+        assert_eq!(acquired, 1, "{CLAIMS} concurrent claims: {outcomes:?}");
+        assert_eq!(in_flight, CLAIMS - 1, "{outcomes:?}");
+    }
+}

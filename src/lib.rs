@@ -1,0 +1,121 @@
+//! `Idempotency-Key` middleware for [tower]: a retried `POST` runs **once across the whole fleet**,
+//! and every retry gets the same response.
+//!
+//! ```no_run
+//! use axum::{Json, Router, routing::post};
+//! use tower_idempotency::{IdempotencyClaim, IdempotencyLayer, MemoryStore};
+//!
+//! async fn pay(claim: IdempotencyClaim, Json(body): Json<serde_json::Value>) -> Json<serde_json::Value> {
+//!     // Runs at most once per key; forward the key so the provider deduplicates too.
+//!     Json(serde_json::json!({ "charged": body["amount_cents"], "key": claim.key().as_str() }))
+//! }
+//!
+//! # async fn run() {
+//! // MemoryStore is for tests and one process only; use the Redis/Postgres stores in production.
+//! let app: Router = Router::new()
+//!     .route("/payments", post(pay))
+//!     .layer(IdempotencyLayer::new(MemoryStore::new()).require_key(true));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
+//! axum::serve(listener, app).await.unwrap();
+//! # }
+//! ```
+//!
+//! # What a client sees
+//!
+//! For a guarded request (by default `POST` and `PATCH`) carrying `Idempotency-Key`:
+//!
+//! | situation | answer |
+//! |---|---|
+//! | first request with the key | the handler runs; its response is stored and returned |
+//! | retry after it completed | the stored response: same status, headers, body and trailers, plus `Idempotent-Replayed: true` |
+//! | retry while the first is still running | 409 with `Retry-After` |
+//! | same key, different method, path, query, body (or configured headers) | 422 |
+//! | malformed, empty, oversize or repeated key | 400 |
+//! | body over the request limit | 413 |
+//! | store unreachable | 503 with `Retry-After`; the handler did not run |
+//!
+//! Rejections are `application/problem+json` responses (see [`problem`] for the `type` URIs),
+//! or gRPC statuses for gRPC callers: never service errors, so the layer's error type is the
+//! inner service's and axum needs no `HandleErrorLayer`.
+//!
+//! # How it works
+//!
+//! 1. The key is parsed (RFC 8941 string or bare token, 1 to 255 visible ASCII characters).
+//! 2. The body is buffered (up to a limit) and the request fingerprinted with SHA-256 over
+//!    method, path and query, configured headers and body.
+//! 3. The key is **claimed** in the [`Store`](store::Store) with a fresh owner token, a fence
+//!    number and a lease. No request reaches the handler without a claim.
+//! 4. The handler runs in a task of its own, so it finishes even if the client disconnects; the
+//!    lease is renewed while it runs, and a panic becomes a 500 that frees the key.
+//! 5. The response streams to the caller while a copy (up to the cache limit) is kept; then the
+//!    key is **completed** (response stored) or **released** (deleted) according to the
+//!    [`CompletionPolicy`], but only if this owner still holds it.
+//!
+//! The handler finds an [`IdempotencyClaim`] in the request extensions: the key, the scope and
+//! the fence.
+//!
+//! # Stores
+//!
+//! | store | use |
+//! |---|---|
+//! | [`MemoryStore`] | tests and single-process development only: **no protection across instances** |
+//!
+//! # Limits
+//!
+//! - Guarded request bodies are buffered in memory (1 MiB by default), and so are response
+//!   bodies up to the cache limit (1 MiB by default); larger responses stream through but are
+//!   stored without their body. Request trailers are not forwarded on guarded requests.
+//! - Guarded requests need a Tokio runtime (`tokio::spawn`).
+//!
+//! # Features
+//!
+//! | feature | adds |
+//! |---|---|
+//! | `axum` | [`IdempotencyClaim`] as an axum extractor |
+//! | `conformance` | [`conformance`], the store conformance suite |
+//!
+//! [tower]: https://github.com/tower-rs/tower
+
+#![deny(unsafe_code)]
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
+#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+
+mod body;
+mod claim;
+#[cfg(any(test, feature = "conformance"))]
+pub mod conformance;
+mod fingerprint;
+mod future;
+mod key;
+mod layer;
+mod metrics;
+mod policy;
+pub mod problem;
+mod protocol;
+mod response;
+mod service;
+pub mod store;
+
+pub use self::{
+    body::{RequestBody, ResponseBody},
+    claim::IdempotencyClaim,
+    fingerprint::Fingerprint,
+    future::ResponseFuture,
+    key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN},
+    layer::{
+        DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, DEFAULT_RETENTION,
+        IdempotencyLayer,
+    },
+    metrics::{Metrics, MetricsSnapshot},
+    policy::{Completion, CompletionPolicy, ResponseSummary},
+    response::{DecodeError, StoredResponse},
+    service::Idempotency,
+    store::MemoryStore,
+};
+#[cfg(feature = "axum")]
+pub use claim::MissingClaim;

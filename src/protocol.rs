@@ -1,0 +1,445 @@
+//! One guarded request, from its body to its finalized key. Runs in a task of its own.
+
+use std::{
+    convert::Infallible, future::Future, panic::AssertUnwindSafe, pin::pin, sync::Arc,
+    time::Duration,
+};
+
+use bytes::{Buf, Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::{HeaderMap, HeaderValue, Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::sync::{mpsc, oneshot};
+use tower_service::Service;
+use uuid::Uuid;
+
+use crate::{
+    Completion, Fingerprint, IdempotencyClaim, IdempotencyKey, StoredResponse,
+    body::{LiveFrame, RequestBody, ResponseBody},
+    future::Reply,
+    layer::Config,
+    policy::{ResponseSummary, is_grpc},
+    problem::Rejection,
+    store::{BoxError, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, StoreError},
+};
+
+/// The header that marks a replayed response.
+pub(crate) const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// How many response frames may wait for a slow caller before the handler's body is paused.
+const RELAY_FRAMES: usize = 16;
+
+/// Attempts at finalizing a key before giving up (its lease then frees it).
+const FINALIZE_ATTEMPTS: u32 = 3;
+
+/// What the handler's run left to store.
+struct Outcome {
+    response: StoredResponse,
+    completion: Completion,
+}
+
+/// Runs one guarded request: buffer and fingerprint, claim, run the handler while renewing the
+/// lease, relay its response to the caller, then finalize the key.
+pub(crate) async fn run<S, ReqBody, ResBody>(
+    config: Arc<Config>,
+    inner: S,
+    key: IdempotencyKey,
+    request: Request<ReqBody>,
+    reply: oneshot::Sender<Reply<ResBody, S::Error>>,
+) where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ReqBody: Body,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body,
+    ResBody::Error: Into<BoxError>,
+{
+    let grpc = is_grpc(request.headers());
+    let answer = |rejection| Ok(respond(&config, rejection, Some(&key), grpc));
+
+    let (parts, body) = request.into_parts();
+    let body = match read_body(body, config.max_request_body).await {
+        Ok(body) => body,
+        Err(rejection) => {
+            let _ = reply.send(answer(rejection));
+            return;
+        }
+    };
+    let claim = ClaimRequest::new(
+        RecordKey::new(config.scope_of(&parts), key.clone()),
+        Fingerprint::of_request(&parts, &config.fingerprint_headers, &body),
+        Uuid::new_v4(),
+        config.lease,
+    );
+    let fence = match config.store.claim(&claim).await {
+        Ok(ClaimOutcome::Acquired { fence }) => fence,
+        Ok(ClaimOutcome::Completed(stored)) => {
+            tracing::debug!(record = %claim.record(), "replaying stored response");
+            let _ = reply.send(match stored.body() {
+                Some(_) => {
+                    config.metrics.add(|m| &m.replays);
+                    Ok(replay(*stored))
+                }
+                None => answer(Rejection::ResponseNotStored {
+                    status: stored.status(),
+                }),
+            });
+            return;
+        }
+        Ok(ClaimOutcome::InFlight { retry_after }) => {
+            let _ = reply.send(answer(Rejection::InFlight { retry_after }));
+            return;
+        }
+        Ok(ClaimOutcome::Mismatch) => {
+            let _ = reply.send(answer(Rejection::Mismatch));
+            return;
+        }
+        Ok(ClaimOutcome::Orphaned) => {
+            tracing::warn!(record = %claim.record(), "key committed but its response was lost");
+            let _ = reply.send(answer(Rejection::OutcomeUnknown));
+            return;
+        }
+        Err(error) => {
+            tracing::error!(record = %claim.record(), error = %Chain(&error), "claim failed; handler not run");
+            let _ = reply.send(answer(Rejection::StoreUnavailable));
+            return;
+        }
+    };
+    config.metrics.add(|m| &m.executions);
+    let lease = claim.lease_with_fence(fence);
+    tracing::debug!(record = %lease.record(), fence, owner = %lease.owner(), "claimed; running handler");
+
+    let mut request = Request::from_parts(parts, RequestBody::buffered(body));
+    request
+        .extensions_mut()
+        .insert(IdempotencyClaim::new(lease.clone()));
+    let outcome = {
+        let work = pin!(handle(&config, inner, request, reply, &key, grpc));
+        let renewal = pin!(keep_lease(&config, &lease));
+        tokio::select! {
+            biased;
+            outcome = work => outcome,
+            never = renewal => match never {},
+        }
+    };
+    finalize(&config, &lease, outcome).await;
+}
+
+/// Buffers a guarded request body, up to `limit` bytes.
+async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, Rejection>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    // A declared length over the limit is refused before a byte is read.
+    if body.size_hint().lower() > limit as u64 {
+        return Err(Rejection::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<LengthLimitError>() => Err(Rejection::BodyTooLarge { limit }),
+        Err(_) => Err(Rejection::BodyUnreadable),
+    }
+}
+
+/// Calls the handler, relays its response to the caller as it is produced, and keeps a copy
+/// (up to the cache limit) to store. Panics and service errors become a 500 that releases the key.
+async fn handle<S, ReqBody, ResBody>(
+    config: &Config,
+    mut inner: S,
+    request: Request<RequestBody<ReqBody>>,
+    reply: oneshot::Sender<Reply<ResBody, S::Error>>,
+    key: &IdempotencyKey,
+    grpc: bool,
+) -> Outcome
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ResBody: Body,
+    ResBody::Error: Into<BoxError>,
+{
+    // The call itself runs inside the guarded future, so a panic in `call` is caught too.
+    let called = AssertUnwindSafe(async { inner.call(request).await })
+        .catch_unwind()
+        .await;
+    let response = match called {
+        Ok(Ok(response)) => response,
+        Ok(Err(error)) => {
+            tracing::warn!(key = %key, "handler returned a service error; releasing the key");
+            let _ = reply.send(Err(error));
+            return failure::<ResBody, S::Error>(config, key, grpc, None);
+        }
+        Err(_panic) => {
+            tracing::error!(key = %key, "handler panicked; releasing the key");
+            return failure(config, key, grpc, Some(reply));
+        }
+    };
+
+    let (parts, body) = response.into_parts();
+    let status = parts.status;
+    let mut headers = HeaderMap::with_capacity(parts.headers.len());
+    for (name, value) in &parts.headers {
+        if config.stores_header(name) {
+            headers.append(name, value.clone());
+        }
+    }
+    let (frames, receiver) = mpsc::channel::<LiveFrame>(RELAY_FRAMES);
+    let hint = body.size_hint();
+    let _ = reply.send(Ok(Response::from_parts(
+        parts,
+        ResponseBody::live(receiver, &hint),
+    )));
+
+    let mut caller = Some(frames);
+    let mut cache = Some(Vec::<Bytes>::new());
+    let mut cached_len = 0;
+    let mut trailers = None;
+    let mut body = pin!(body);
+    let body_ok = loop {
+        let polled = AssertUnwindSafe(body.frame())
+            .catch_unwind()
+            .await
+            .map(|frame| {
+                frame.map(|frame| {
+                    frame
+                        .map(|f| f.map_data(|mut d| d.copy_to_bytes(d.remaining())))
+                        .map_err(Into::<BoxError>::into)
+                })
+            });
+        let frame = match polled {
+            Ok(Some(Ok(frame))) => frame,
+            Ok(None) => break true,
+            Ok(Some(Err(error))) => {
+                tracing::warn!(key = %key, error = %error, "handler's response body failed");
+                relay(&mut caller, Err(error)).await;
+                break false;
+            }
+            Err(_panic) => {
+                tracing::error!(key = %key, "handler panicked while producing its body");
+                relay(
+                    &mut caller,
+                    Err("the handler panicked while producing its body".into()),
+                )
+                .await;
+                break false;
+            }
+        };
+        if let Some(data) = frame.data_ref() {
+            cached_len += data.len();
+            if cached_len > config.max_response_body {
+                cache = None;
+            } else if let Some(cache) = &mut cache {
+                cache.push(data.clone());
+            }
+        } else if let Some(t) = frame.trailers_ref() {
+            trailers = Some(t.clone());
+        }
+        relay(&mut caller, Ok(frame)).await;
+    };
+    if !body_ok {
+        config.metrics.add(|m| &m.handler_failures);
+        return Outcome {
+            response: StoredResponse::new(status, headers, None, None),
+            completion: Completion::Release,
+        };
+    }
+    let completion = config.policy.decide(&ResponseSummary {
+        status,
+        headers: &headers,
+        trailers: trailers.as_ref(),
+    });
+    let body = cache.map(concat);
+    if body.is_none() {
+        config.metrics.add(|m| &m.responses_not_stored);
+        tracing::warn!(key = %key, bytes = cached_len, limit = config.max_response_body, "response over the cache limit; storing the outcome without its body");
+    }
+    Outcome {
+        response: StoredResponse::new(status, headers, body, trailers),
+        completion,
+    }
+}
+
+/// The outcome of a handler that panicked or failed: a 500 problem, sent to the caller if it is
+/// still owed an answer, that releases the key (and is stored if the handler had committed).
+fn failure<B, E>(
+    config: &Config,
+    key: &IdempotencyKey,
+    grpc: bool,
+    reply: Option<oneshot::Sender<Reply<B, E>>>,
+) -> Outcome {
+    config.metrics.add(|m| &m.handler_failures);
+    let (parts, body) = Rejection::HandlerFailed
+        .into_response(Some(key), grpc)
+        .into_parts();
+    let stored = StoredResponse::new(
+        parts.status,
+        parts.headers.clone(),
+        Some(body.clone()),
+        None,
+    );
+    if let Some(reply) = reply {
+        let _ = reply.send(Ok(Response::from_parts(
+            parts,
+            ResponseBody::full(body, None),
+        )));
+    }
+    Outcome {
+        response: stored,
+        completion: Completion::Release,
+    }
+}
+
+/// Sends a frame to the caller, forgetting the caller once it has gone.
+async fn relay(caller: &mut Option<mpsc::Sender<LiveFrame>>, frame: LiveFrame) {
+    if let Some(sender) = caller {
+        if sender.send(frame).await.is_err() {
+            *caller = None;
+        }
+    }
+}
+
+fn concat(chunks: Vec<Bytes>) -> Bytes {
+    match <[Bytes; 1]>::try_from(chunks) {
+        Ok([single]) => single,
+        Err(chunks) => {
+            let mut all = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+            chunks.iter().for_each(|c| all.extend_from_slice(c));
+            all.freeze()
+        }
+    }
+}
+
+/// Renews the lease every third of its length while the handler runs. Never returns.
+async fn keep_lease(config: &Config, lease: &Lease) -> Infallible {
+    let period = config.lease / 3;
+    loop {
+        tokio::time::sleep(period).await;
+        match config.store.renew(lease, config.lease).await {
+            Ok(Ownership::Held) => {}
+            Ok(_) => {
+                config.metrics.add(|m| &m.leases_lost);
+                tracing::warn!(record = %lease.record(), owner = %lease.owner(), "lease lost while the handler runs; its outcome will not be stored");
+                return std::future::pending().await;
+            }
+            Err(error) => {
+                tracing::warn!(record = %lease.record(), error = %Chain(&error), "lease renewal failed; retrying");
+            }
+        }
+    }
+}
+
+/// Completes or releases the key, owner-checked; a committed key is completed whatever the policy.
+async fn finalize(config: &Config, lease: &Lease, outcome: Outcome) {
+    let store = &config.store;
+    let complete = || store.complete(lease, &outcome.response, config.retention);
+    let result = match outcome.completion {
+        Completion::Complete => retrying(lease, complete).await,
+        Completion::Release => match retrying(lease, || store.release(lease)).await {
+            Ok(Ownership::Committed) => retrying(lease, complete).await,
+            Ok(Ownership::Held) => {
+                config.metrics.add(|m| &m.releases);
+                tracing::debug!(record = %lease.record(), "key released");
+                return;
+            }
+            other => other,
+        },
+    };
+    match result {
+        Ok(Ownership::Held) => {
+            config.metrics.add(|m| &m.completions);
+            tracing::debug!(record = %lease.record(), status = outcome.response.status().as_u16(), "key completed");
+        }
+        Ok(_) => {
+            config.metrics.add(|m| &m.leases_lost);
+            tracing::warn!(record = %lease.record(), owner = %lease.owner(), fence = lease.fence(), "lease lost before finalizing: nothing stored (another attempt holds the key)");
+        }
+        Err(error) => {
+            config.metrics.add(|m| &m.finalize_errors);
+            tracing::error!(record = %lease.record(), error = %Chain(&error), "could not finalize; the key frees itself when its lease ends");
+        }
+    }
+}
+
+/// Retries a finalizing write on store errors, with a short backoff, within the lease.
+async fn retrying<F, Fut>(lease: &Lease, mut write: F) -> Result<Ownership, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Ownership, StoreError>>,
+{
+    let mut delay = Duration::from_millis(50);
+    let mut attempt = 1;
+    loop {
+        match write().await {
+            Err(error) if attempt < FINALIZE_ATTEMPTS => {
+                tracing::warn!(record = %lease.record(), attempt, error = %Chain(&error), "finalize failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay *= 4;
+                attempt += 1;
+            }
+            result => return result,
+        }
+    }
+}
+
+/// A stored response, as replayed.
+fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
+    let (status, mut headers, body, trailers) = stored.into_parts();
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    let mut response = Response::new(ResponseBody::full(body.unwrap_or_default(), trailers));
+    *response.status_mut() = status;
+    *response.headers_mut() = headers;
+    response
+}
+
+/// The layer's own answer, counted.
+pub(crate) fn respond<B>(
+    config: &Config,
+    rejection: Rejection,
+    key: Option<&IdempotencyKey>,
+    grpc: bool,
+) -> Response<ResponseBody<B>> {
+    config.metrics.add(|m| match rejection {
+        Rejection::InvalidKey(_) | Rejection::MissingKey | Rejection::BodyUnreadable => {
+            &m.bad_requests
+        }
+        Rejection::BodyTooLarge { .. } => &m.too_large,
+        Rejection::Mismatch => &m.mismatches,
+        Rejection::InFlight { .. } | Rejection::OutcomeUnknown => &m.in_flight,
+        Rejection::ResponseNotStored { .. } => &m.replays,
+        Rejection::StoreUnavailable => &m.store_unavailable,
+        Rejection::HandlerFailed => &m.handler_failures,
+    });
+    reject(rejection, key, grpc)
+}
+
+/// The layer's own answer.
+pub(crate) fn reject<B>(
+    rejection: Rejection,
+    key: Option<&IdempotencyKey>,
+    grpc: bool,
+) -> Response<ResponseBody<B>> {
+    let replayed = matches!(rejection, Rejection::ResponseNotStored { .. });
+    let mut response = rejection
+        .into_response(key, grpc)
+        .map(|body| ResponseBody::full(body, None));
+    if replayed {
+        response
+            .headers_mut()
+            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    response
+}
+
+/// Displays an error with its chain of sources: "a: b: c".
+struct Chain<'a>(&'a dyn std::error::Error);
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(error) = source {
+            write!(f, ": {error}")?;
+            source = error.source();
+        }
+        Ok(())
+    }
+}

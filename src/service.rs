@@ -1,0 +1,132 @@
+//! The middleware service.
+
+use std::{
+    fmt,
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use http::{Request, Response};
+use http_body::Body;
+use tokio::sync::oneshot;
+use tower_service::Service;
+
+use crate::{
+    IdempotencyKey,
+    body::{RequestBody, ResponseBody},
+    future::ResponseFuture,
+    layer::Config,
+    policy::is_grpc,
+    problem::Rejection,
+    protocol,
+    store::BoxError,
+};
+
+/// Middleware that runs each guarded request at most once per (scope, key) across every instance
+/// sharing its store, and replays the stored response to retries. Built by
+/// [`IdempotencyLayer`](crate::IdempotencyLayer).
+///
+/// A guarded request runs in a task of its own (`tokio::spawn`), so its handler finishes, and its
+/// outcome is stored, even when the caller's future is dropped. This needs a Tokio runtime and
+/// `Send + 'static` services, futures and bodies.
+#[derive(Clone)]
+pub struct Idempotency<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> Idempotency<S> {
+    pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
+        Self { inner, config }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes `self`, returning the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body + Send + 'static,
+    ReqBody::Data: Send,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body + Send + 'static,
+    ResBody::Data: Send,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        if !self.config.methods.contains(request.method()) {
+            return ResponseFuture::passthrough(
+                self.inner.call(request.map(RequestBody::passthrough)),
+            );
+        }
+        let key = match IdempotencyKey::from_headers(request.headers()) {
+            Ok(Some(key)) => key,
+            Ok(None) if !self.config.require_key => {
+                return ResponseFuture::passthrough(
+                    self.inner.call(request.map(RequestBody::passthrough)),
+                );
+            }
+            Ok(None) => return self.reject(Rejection::MissingKey, &request),
+            Err(error) => return self.reject(Rejection::InvalidKey(error), &request),
+        };
+        // The service that was driven to readiness is the one that must be called, and it moves
+        // into the task; a clone stays here. See tower-service's "Be careful when cloning inner
+        // services".
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let (reply, receiver) = oneshot::channel();
+        tokio::spawn(protocol::run(
+            Arc::clone(&self.config),
+            inner,
+            key,
+            request,
+            reply,
+        ));
+        ResponseFuture::spawned(receiver)
+    }
+}
+
+impl<S> Idempotency<S> {
+    fn reject<B, F, E, ReqBody>(
+        &self,
+        rejection: Rejection,
+        request: &Request<ReqBody>,
+    ) -> ResponseFuture<F, B, E> {
+        let grpc = is_grpc(request.headers());
+        ResponseFuture::ready(protocol::respond(&self.config, rejection, None, grpc))
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Idempotency<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}

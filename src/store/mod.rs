@@ -1,0 +1,300 @@
+//! The store contract: where claims, leases and stored responses live.
+//!
+//! The layer talks to a store through four owner-checked operations:
+//!
+//! | operation | what it does |
+//! |---|---|
+//! | [`claim`](Store::claim) | atomically take an absent (or expired) key for a new owner, or report why not |
+//! | [`renew`](Store::renew) | extend the owner's lease while the handler runs |
+//! | [`complete`](Store::complete) | store the response and make the key replay it for the retention period |
+//! | [`release`](Store::release) | delete the key so the client can retry cleanly |
+//!
+//! # States of one key
+//!
+//! ```text
+//! absent ──claim──▶ in_flight(owner, fence, lease) ──complete──▶ completed(response)
+//!    ▲                    │          │
+//!    └─────release────────┘          └─(lease expires)─▶ claimable again, with a greater fence
+//! ```
+//!
+//! Stores that can join the handler's own transaction (Postgres) add `committed`: the handler's
+//! business write has committed, so the key can no longer be released or reclaimed, only completed.
+//!
+//! # Rules every implementation follows
+//!
+//! - A claim is a single atomic step; two concurrent claims of one key never both acquire.
+//! - Every write after a claim is conditional on the owner token: a stale owner (whose lease
+//!   expired and was reclaimed) changes nothing and learns [`Ownership::Lost`].
+//! - An `in_flight` key whose lease has expired is treated exactly like an absent one.
+//! - A key with a different fingerprint is a [`ClaimOutcome::Mismatch`] while it exists.
+//! - Lease and retention times are measured on the store's clock, never the application's.
+//!
+//! [`conformance`](crate::conformance) checks all of this against any implementation.
+
+use std::{fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
+
+use uuid::Uuid;
+
+use crate::{Fingerprint, IdempotencyKey, StoredResponse};
+
+mod memory;
+
+pub use memory::MemoryStore;
+
+/// A boxed future, as returned by [`Store`] methods (the trait stays object safe).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A boxed error, as kept inside [`StoreError`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A backend for idempotency records.
+///
+/// Implementations must follow the rules in the [module docs](self); run
+/// [`store_conformance_tests!`](crate::store_conformance_tests) in their tests to check.
+pub trait Store: Send + Sync + 'static {
+    /// Takes `request.record()` for `request.owner()`, or reports why not.
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>>;
+
+    /// Extends the lease to `duration` from now, if `lease`'s owner still holds the key.
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        duration: Duration,
+    ) -> BoxFuture<'a, Result<Ownership, StoreError>>;
+
+    /// Stores `response` for `retention` and moves the key to completed, if `lease`'s owner still
+    /// holds it (in flight or committed).
+    fn complete<'a>(
+        &'a self,
+        lease: &'a Lease,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<Ownership, StoreError>>;
+
+    /// Deletes the key if `lease`'s owner still holds it in flight. A committed key is not
+    /// released: the answer is [`Ownership::Committed`] and the caller completes it instead.
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>>;
+}
+
+impl<S: Store + ?Sized> Store for Arc<S> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        (**self).claim(request)
+    }
+
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        duration: Duration,
+    ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        (**self).renew(lease, duration)
+    }
+
+    fn complete<'a>(
+        &'a self,
+        lease: &'a Lease,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        (**self).complete(lease, response, retention)
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        (**self).release(lease)
+    }
+}
+
+/// The identity of a record: a key within a scope (tenant, account, subject).
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct RecordKey {
+    scope: String,
+    key: IdempotencyKey,
+}
+
+impl RecordKey {
+    /// The record for `key` within `scope`.
+    pub fn new(scope: impl Into<String>, key: IdempotencyKey) -> Self {
+        Self {
+            scope: scope.into(),
+            key,
+        }
+    }
+
+    /// The scope ("" when the layer has no scope function).
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The idempotency key.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+}
+
+impl fmt::Debug for RecordKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RecordKey({self})")
+    }
+}
+
+impl fmt::Display for RecordKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "scope {:?} key {:?}", self.scope, self.key.as_str())
+    }
+}
+
+/// What a claim asks for.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    record: RecordKey,
+    fingerprint: Fingerprint,
+    owner: Uuid,
+    lease: Duration,
+}
+
+impl ClaimRequest {
+    /// A claim of `record` by `owner` (a fresh random token per request attempt) for `lease`.
+    pub fn new(record: RecordKey, fingerprint: Fingerprint, owner: Uuid, lease: Duration) -> Self {
+        Self {
+            record,
+            fingerprint,
+            owner,
+            lease,
+        }
+    }
+
+    /// The record claimed.
+    pub fn record(&self) -> &RecordKey {
+        &self.record
+    }
+
+    /// The fingerprint of the request behind the claim.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+
+    /// The claimant's owner token.
+    pub fn owner(&self) -> Uuid {
+        self.owner
+    }
+
+    /// How long the claim holds without renewal.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The lease this claim yields once acquired with `fence`.
+    pub fn lease_with_fence(&self, fence: u64) -> Lease {
+        Lease::new(self.record.clone(), self.owner, fence)
+    }
+}
+
+/// What an owner holds after a successful claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    record: RecordKey,
+    owner: Uuid,
+    fence: u64,
+}
+
+impl Lease {
+    /// The lease `owner` holds on `record`, granted with `fence`.
+    pub fn new(record: RecordKey, owner: Uuid, fence: u64) -> Self {
+        Self {
+            record,
+            owner,
+            fence,
+        }
+    }
+
+    /// The record held.
+    pub fn record(&self) -> &RecordKey {
+        &self.record
+    }
+
+    /// The owner token every conditional write checks.
+    pub fn owner(&self) -> Uuid {
+        self.owner
+    }
+
+    /// The fence the claim was granted with: it grows with every claim and reclaim of the key.
+    pub fn fence(&self) -> u64 {
+        self.fence
+    }
+}
+
+/// The answer to a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClaimOutcome {
+    /// The claimant now owns the key: run the handler.
+    Acquired {
+        /// Greater than the fence of every earlier claim of this key the store remembers.
+        fence: u64,
+    },
+    /// Another owner holds a live lease (or has committed and not yet completed).
+    InFlight {
+        /// How long until the current lease runs out.
+        retry_after: Duration,
+    },
+    /// The key completed with this fingerprint: replay its response.
+    Completed(Box<StoredResponse>),
+    /// The key exists with a different fingerprint.
+    Mismatch,
+    /// The handler committed its business write, then its owner died before storing a response.
+    /// The request must not run again, and there is no response to replay.
+    Orphaned,
+}
+
+/// Whether an owner-checked write applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Ownership {
+    /// The owner still held the key; the write applied.
+    Held,
+    /// The owner no longer holds the key (its lease was reclaimed, it expired, or the key is
+    /// finished); nothing was written.
+    Lost,
+    /// Answer to a release: the owner's handler committed, so the key cannot be released.
+    /// Complete it instead.
+    Committed,
+}
+
+/// A store operation failed. The layer answers 503 and never runs the handler on a failed claim.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The backend failed or could not be reached.
+    #[error("{store} store failed")]
+    Backend {
+        /// Which store ("redis", "postgres", …).
+        store: &'static str,
+        /// The backend's error.
+        #[source]
+        source: BoxError,
+    },
+    /// The backend did not answer in time.
+    #[error("{store} store did not answer within {after:?}")]
+    Timeout {
+        /// Which store.
+        store: &'static str,
+        /// The bound that passed.
+        after: Duration,
+    },
+    /// A record could not be read back (corrupted, or written by an incompatible version).
+    #[error("{store} store holds an unreadable record for {record}")]
+    Corrupt {
+        /// Which store.
+        store: &'static str,
+        /// The record involved.
+        record: RecordKey,
+        /// What is wrong with it.
+        #[source]
+        source: BoxError,
+    },
+}
