@@ -59,6 +59,7 @@
 //! | store | use |
 //! |---|---|
 //! | [`MemoryStore`] | tests and single-process development only: **no protection across instances** |
+//! | `store::RedisStore` (feature `redis`) | a fast shared store; alone, a best effort (eviction, failover) |
 //!
 //! # Limits
 //!
@@ -72,6 +73,7 @@
 //! | feature | adds |
 //! |---|---|
 //! | `axum` | [`IdempotencyClaim`] as an axum extractor |
+//! | `redis` | `store::RedisStore` |
 //! | `conformance` | [`conformance`], the store conformance suite |
 //!
 //! [tower]: https://github.com/tower-rs/tower

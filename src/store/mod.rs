@@ -38,8 +38,12 @@ use uuid::Uuid;
 use crate::{Fingerprint, IdempotencyKey, StoredResponse};
 
 mod memory;
+#[cfg(feature = "redis")]
+mod redis;
 
 pub use memory::MemoryStore;
+#[cfg(feature = "redis")]
+pub use redis::{DEFAULT_REDIS_TIMEOUT, RedisStore};
 
 /// A boxed future, as returned by [`Store`] methods (the trait stays object safe).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -154,3 +154,99 @@ pub async fn post_json(url: &str, key: &str, body: &str) -> Result<Answer, Strin
     )
     .await
 }
+
+/// A `redis-server` of the test's own, on a free port, for tests that stop, pause or flush it.
+pub struct RedisServer {
+    child: Option<Child>,
+    pub port: u16,
+    paused: bool,
+}
+
+impl RedisServer {
+    pub async fn start() -> Self {
+        let mut server = Self {
+            child: None,
+            port: free_port(),
+            paused: false,
+        };
+        server.spawn().await;
+        server
+    }
+
+    async fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--dir", "/tmp"])
+            .stdout(Stdio::null())
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("redis-server (Debian package redis-server) must be installed");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .is_err()
+        {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (everything it held is gone).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            self.resume();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts a fresh, empty server on the same port.
+    pub async fn restart(&mut self) {
+        self.stop();
+        self.spawn().await;
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&mut self) {
+        self.signal("-STOP");
+        self.paused = true;
+    }
+
+    /// Thaws a paused server (SIGCONT).
+    pub fn resume(&mut self) {
+        if self.paused {
+            self.signal("-CONT");
+            self.paused = false;
+        }
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("server is running").id();
+        signal_pid(pid, signal);
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Sends a signal with kill(1).
+pub fn signal_pid(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {signal} {pid} failed");
+}
+
+/// The machine's Redis, for tests that share it (under a unique prefix).
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}

@@ -1,0 +1,12 @@
+-- Extends the lease, if the owner still holds the key in flight.
+--
+-- KEYS[1]: the record (see claim.lua)
+-- ARGV[1]: the owner token
+-- ARGV[2]: the new lease, in milliseconds from now
+-- Returns: 1 if the lease was extended; 0 if the owner no longer held it (nothing written)
+local record = redis.call('HMGET', KEYS[1], 'st', 'ow')
+if record[1] ~= 'i' or record[2] ~= ARGV[1] then
+  return 0
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1

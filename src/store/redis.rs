@@ -1,0 +1,303 @@
+//! The Redis store: every state change is one ownership-checked Lua script.
+
+use std::{
+    future::Future,
+    sync::{Arc, LazyLock},
+    time::Duration,
+};
+
+use ::redis::{
+    Client, RedisError, Script, Value,
+    aio::{ConnectionManager, ConnectionManagerConfig},
+};
+use bytes::Bytes;
+
+use super::{
+    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, Store, StoreError,
+};
+use crate::StoredResponse;
+
+/// A store on Redis: fast, and the first line in front of Postgres.
+///
+/// Each idempotency key is one Redis hash, `{prefix}{scope length}:{scope}:{key}`, and each
+/// operation is one Lua script that touches only that key, so it works on Redis Cluster too. The
+/// scripts (shipped in `lua/`) check the owner token before any write; leases and retention are
+/// Redis expiries (`PEXPIRE`, `PTTL`), measured on the server's clock.
+///
+/// The connection reconnects by itself after a Redis restart, and every call is bounded by a
+/// timeout (250 ms by default), so a slow or stalled Redis surfaces as a [`StoreError::Timeout`]
+/// instead of a hung request.
+///
+/// # Alone, Redis is a best effort
+///
+/// Redis may lose records: `FLUSHALL`, eviction under `maxmemory`, a restart without
+/// persistence, or a failover to a replica that had not yet received the claim (replication is
+/// asynchronous). Any of these lets a retry run a second time. Used alone, configure
+/// `maxmemory-policy noeviction` and persistence, and accept that a failover can break the
+/// guarantee. Put Postgres behind it for a guarantee that survives all of these.
+///
+/// Fences come from the Redis server clock in microseconds: they grow across reclaims for as
+/// long as that clock does. Postgres fences come from a sequence and always grow.
+///
+/// Requires Redis 6.2 or newer (tested on 7.0).
+#[derive(Clone)]
+pub struct RedisStore {
+    client: Client,
+    connection: ConnectionManager,
+    prefix: Arc<str>,
+    timeout: Duration,
+}
+
+/// The default bound on one Redis call.
+pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// The layout of the record hash the scripts read and write (not the response encoding, which
+/// carries its own version).
+const LAYOUT_VERSION: &str = "1";
+
+static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../../lua/claim.lua")));
+static COMPLETE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../lua/complete.lua")));
+static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../lua/release.lua")));
+static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../../lua/renew.lua")));
+
+const STORE: &str = "redis";
+
+impl RedisStore {
+    /// A store on `client`'s server, under the prefix `idempotency:`.
+    ///
+    /// The connection is made on first use, so start-up does not wait for (or fail on) Redis.
+    /// Must be called within a Tokio runtime.
+    pub fn new(client: Client) -> Result<Self, RedisError> {
+        let connection = Self::manager(&client, DEFAULT_REDIS_TIMEOUT)?;
+        Ok(Self {
+            client,
+            connection,
+            prefix: Arc::from("idempotency:"),
+            timeout: DEFAULT_REDIS_TIMEOUT,
+        })
+    }
+
+    /// A store on the server at `url` (`redis://host:port/db`). See [`new`](Self::new).
+    pub fn open(url: &str) -> Result<Self, RedisError> {
+        Self::new(Client::open(url)?)
+    }
+
+    /// The prefix of every key this store writes (`idempotency:` by default): separates
+    /// applications or environments sharing one Redis.
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = Arc::from(prefix.into());
+        self
+    }
+
+    /// The bound on each call (connecting included); past it the call fails with
+    /// [`StoreError::Timeout`].
+    pub fn with_timeout(mut self, timeout: Duration) -> Result<Self, RedisError> {
+        self.connection = Self::manager(&self.client, timeout)?;
+        self.timeout = timeout;
+        Ok(self)
+    }
+
+    fn manager(client: &Client, timeout: Duration) -> Result<ConnectionManager, RedisError> {
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(timeout))
+            .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
+            .set_max_delay(Duration::from_secs(2));
+        ConnectionManager::new_lazy_with_config(client.clone(), config)
+    }
+
+    /// The Redis key of a record. The scope is length-prefixed, so no (scope, key) pair can
+    /// collide with another whatever characters they hold.
+    pub fn record_key(&self, record: &RecordKey) -> String {
+        format!(
+            "{}{}:{}:{}",
+            self.prefix,
+            record.scope().len(),
+            record.scope(),
+            record.key()
+        )
+    }
+
+    /// Runs one script invocation under the timeout.
+    async fn call<T>(
+        &self,
+        invoke: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, invoke).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) if error.is_timeout() => Err(StoreError::Timeout {
+                store: STORE,
+                after: self.timeout,
+            }),
+            Ok(Err(error)) => Err(StoreError::Backend {
+                store: STORE,
+                source: error.into(),
+            }),
+            Err(_elapsed) => Err(StoreError::Timeout {
+                store: STORE,
+                after: self.timeout,
+            }),
+        }
+    }
+
+    /// Runs an owner-checked script that answers 1 (applied) or 0 (not the owner).
+    async fn owner_checked(
+        &self,
+        script: &Script,
+        lease: &Lease,
+        args: &[&[u8]],
+    ) -> Result<Ownership, StoreError> {
+        let mut invocation = script.key(self.record_key(lease.record()));
+        invocation.arg(lease.owner().to_string());
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let mut connection = self.connection.clone();
+        let applied: i64 = self.call(invocation.invoke_async(&mut connection)).await?;
+        Ok(if applied == 1 {
+            Ownership::Held
+        } else {
+            Ownership::Lost
+        })
+    }
+}
+
+impl Store for RedisStore {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        Box::pin(async move {
+            let mut invocation = CLAIM.key(self.record_key(request.record()));
+            invocation
+                .arg(request.owner().to_string())
+                .arg(&request.fingerprint().as_bytes()[..])
+                .arg(millis(request.lease()))
+                .arg(LAYOUT_VERSION);
+            let mut connection = self.connection.clone();
+            let reply: Value = self.call(invocation.invoke_async(&mut connection)).await?;
+            parse_claim(reply).map_err(|reason| StoreError::Corrupt {
+                store: STORE,
+                record: request.record().clone(),
+                source: reason.into(),
+            })
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        duration: Duration,
+    ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        Box::pin(async move {
+            let duration = millis(duration).to_string();
+            self.owner_checked(&RENEW, lease, &[duration.as_bytes()])
+                .await
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        lease: &'a Lease,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        Box::pin(async move {
+            let encoded = response.encode();
+            let retention = millis(retention).to_string();
+            self.owner_checked(&COMPLETE, lease, &[&encoded, retention.as_bytes()])
+                .await
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        Box::pin(async move { self.owner_checked(&RELEASE, lease, &[]).await })
+    }
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("server", &self.client.get_connection_info().addr())
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Redis expiries are whole milliseconds, and at least one: `PEXPIRE key 0` deletes the key.
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+/// Reads claim.lua's reply; `Err` describes what is wrong with the record.
+fn parse_claim(reply: Value) -> Result<ClaimOutcome, String> {
+    let Value::Array(items) = reply else {
+        return Err(format!("unexpected claim reply {reply:?}"));
+    };
+    match items.as_slice() {
+        [Value::Int(0), Value::BulkString(fence)] => std::str::from_utf8(fence)
+            .ok()
+            .and_then(|f| f.parse().ok())
+            .map(|fence| ClaimOutcome::Acquired { fence })
+            .ok_or_else(|| format!("unreadable fence {fence:?}")),
+        [Value::Int(1), Value::Int(pttl)] => Ok(ClaimOutcome::InFlight {
+            retry_after: Duration::from_millis(u64::try_from(*pttl).unwrap_or(0)),
+        }),
+        [Value::Int(2)] => Ok(ClaimOutcome::Mismatch),
+        [Value::Int(3), Value::BulkString(response)] => {
+            StoredResponse::decode(Bytes::copy_from_slice(response))
+                .map(|response| ClaimOutcome::Completed(Box::new(response)))
+                .map_err(|error| error.to_string())
+        }
+        [Value::Int(4), Value::BulkString(reason)] => Err(String::from_utf8_lossy(reason).into()),
+        _ => Err(format!("unexpected claim reply {items:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::IdempotencyKey;
+
+    #[tokio::test]
+    async fn record_keys_cannot_collide() {
+        let store = RedisStore::open("redis://127.0.0.1:1")
+            .unwrap()
+            .with_prefix("p:");
+        let key = |scope: &str, key: &str| {
+            store.record_key(&RecordKey::new(
+                scope,
+                IdempotencyKey::try_from(key).unwrap(),
+            ))
+        };
+        assert_eq!(key("", "k"), "p:0::k");
+        assert_ne!(key("a:b", "c"), key("a", "b:c"));
+        assert_ne!(key("a:1", "x"), key("a", "1:x"));
+    }
+
+    #[test]
+    fn unreadable_replies_are_errors() {
+        let bad = [
+            Value::Nil,
+            Value::Array(vec![]),
+            Value::Array(vec![Value::Int(0), Value::BulkString(b"x".to_vec())]),
+            Value::Array(vec![Value::Int(3), Value::BulkString(b"garbage".to_vec())]),
+            Value::Array(vec![Value::Int(3), Value::Nil]),
+            Value::Array(vec![
+                Value::Int(4),
+                Value::BulkString(b"unknown state x".to_vec()),
+            ]),
+            Value::Array(vec![Value::Int(9)]),
+        ];
+        for reply in bad {
+            assert!(
+                parse_claim(reply.clone()).is_err(),
+                "{reply:?} was accepted"
+            );
+        }
+    }
+}

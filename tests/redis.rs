@@ -1,0 +1,348 @@
+//! The Redis store against real Redis servers: the machine's (under a unique prefix per test)
+//! and, for tests that stop, pause or flush one, a `redis-server` of their own.
+
+mod support;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering::SeqCst},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{Router, routing::post};
+use http::{HeaderMap, StatusCode};
+use support::{RedisServer, redis_url};
+use tower::ServiceExt;
+use tower_idempotency::{
+    Fingerprint, IdempotencyKey, IdempotencyLayer, StoredResponse,
+    store::{ClaimOutcome, ClaimRequest, Ownership, RecordKey, RedisStore, Store, StoreError},
+};
+use uuid::Uuid;
+
+fn store_on(url: &str) -> RedisStore {
+    RedisStore::open(url)
+        .unwrap()
+        .with_prefix(format!("test:{}:", Uuid::new_v4()))
+}
+
+tower_idempotency::store_conformance_tests!(async { store_on(&redis_url()) });
+
+fn claim_request(key: &str, lease: Duration) -> ClaimRequest {
+    let parts = http::Request::post("/x").body(()).unwrap().into_parts().0;
+    ClaimRequest::new(
+        RecordKey::new("tenant", IdempotencyKey::try_from(key).unwrap()),
+        Fingerprint::of_request(&parts, &[], b"body"),
+        Uuid::new_v4(),
+        lease,
+    )
+}
+
+fn ok_response() -> StoredResponse {
+    StoredResponse::new(StatusCode::OK, HeaderMap::new(), Some("done".into()), None)
+}
+
+async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn script_flush_between_calls_changes_nothing() {
+    let server = RedisServer::start().await;
+    let store = store_on(&server.url());
+    let mut admin = raw(&server.url()).await;
+    let request = claim_request("k-flush", Duration::from_secs(30));
+
+    let ClaimOutcome::Acquired { fence } = store.claim(&request).await.unwrap() else {
+        panic!("not acquired");
+    };
+    let () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let lease = request.lease_with_fence(fence);
+    assert_eq!(
+        store.renew(&lease, Duration::from_secs(30)).await.unwrap(),
+        Ownership::Held
+    );
+    let () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .complete(&lease, &ok_response(), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Ownership::Held
+    );
+    let () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.claim(&request).await.unwrap(),
+        ClaimOutcome::Completed(Box::new(ok_response()))
+    );
+}
+
+#[tokio::test]
+async fn a_restarted_redis_is_reconnected() {
+    let mut server = RedisServer::start().await;
+    let store = store_on(&server.url());
+    assert!(matches!(
+        store
+            .claim(&claim_request("k-before", Duration::from_secs(30)))
+            .await,
+        Ok(ClaimOutcome::Acquired { .. })
+    ));
+
+    server.stop();
+    let down = store
+        .claim(&claim_request("k-down", Duration::from_secs(30)))
+        .await;
+    assert!(down.is_err(), "a stopped Redis answered {down:?}");
+
+    server.restart().await;
+    let started = Instant::now();
+    loop {
+        match store
+            .claim(&claim_request("k-after", Duration::from_secs(30)))
+            .await
+        {
+            Ok(outcome) => {
+                // The restarted server is empty: the claim is new.
+                assert!(matches!(outcome, ClaimOutcome::Acquired { .. }));
+                break;
+            }
+            Err(error) => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(15),
+                    "not reconnected after 15 s: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_stalled_redis_times_out_within_the_bound() {
+    let mut server = RedisServer::start().await;
+    let timeout = Duration::from_millis(200);
+    let store = store_on(&server.url()).with_timeout(timeout).unwrap();
+    let request = claim_request("k-stall", Duration::from_secs(30));
+    let ClaimOutcome::Acquired { fence } = store.claim(&request).await.unwrap() else {
+        panic!("not acquired");
+    };
+
+    server.pause();
+    for _ in 0..3 {
+        let started = Instant::now();
+        let result = store
+            .claim(&claim_request("k-stalled", Duration::from_secs(30)))
+            .await;
+        let took = started.elapsed();
+        assert!(
+            matches!(result, Err(StoreError::Timeout { .. })),
+            "expected a timeout, got {result:?}"
+        );
+        assert!(
+            took < timeout + Duration::from_millis(300),
+            "the timeout took {took:?}"
+        );
+    }
+
+    server.resume();
+    let lease = request.lease_with_fence(fence);
+    let started = Instant::now();
+    loop {
+        match store
+            .complete(&lease, &ok_response(), Duration::from_secs(60))
+            .await
+        {
+            Ok(ownership) => {
+                assert_eq!(ownership, Ownership::Held);
+                break;
+            }
+            Err(error) => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(10),
+                    "no answer after resuming: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn unreadable_records_are_errors_that_name_the_record() {
+    let url = redis_url();
+    let store = store_on(&url);
+    let mut admin = raw(&url).await;
+    let request = claim_request("k-corrupt", Duration::from_secs(30));
+    let key = store.record_key(request.record());
+    let fingerprint = &request.fingerprint().as_bytes()[..];
+
+    type Fields<'a> = Vec<(&'a str, &'a [u8])>;
+    let cases: [(&str, Fields<'_>); 3] = [
+        (
+            "response",
+            vec![
+                ("st", b"c"),
+                ("fp", fingerprint),
+                ("rs", b"not a record"),
+                ("v", b"1"),
+            ],
+        ),
+        (
+            "state",
+            vec![("st", b"x"), ("fp", fingerprint), ("v", b"1")],
+        ),
+        (
+            "version",
+            vec![
+                ("st", b"i"),
+                ("fp", fingerprint),
+                ("ow", b"someone"),
+                ("v", b"2"),
+            ],
+        ),
+    ];
+    for (what, fields) in cases {
+        let _: () = redis::cmd("DEL")
+            .arg(&key)
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let mut hset = redis::cmd("HSET");
+        hset.arg(&key);
+        for (field, value) in fields {
+            hset.arg(field).arg(value);
+        }
+        let _: i64 = hset.query_async(&mut admin).await.unwrap();
+
+        match store.claim(&request).await {
+            Err(error @ StoreError::Corrupt { .. }) => {
+                let message = error.to_string();
+                assert!(message.contains("k-corrupt"), "{what}: {message}");
+                let source = std::error::Error::source(&error).unwrap().to_string();
+                assert!(!source.is_empty(), "{what}: no cause");
+            }
+            other => panic!("{what}: expected a corrupt-record error, got {other:?}"),
+        }
+    }
+    let _: () = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn stored_records_expire_with_redis_clocks() {
+    let url = redis_url();
+    let store = store_on(&url);
+    let mut admin = raw(&url).await;
+    let request = claim_request("k-ttl", Duration::from_millis(5_000));
+    let key = store.record_key(request.record());
+    let ClaimOutcome::Acquired { fence } = store.claim(&request).await.unwrap() else {
+        panic!("not acquired");
+    };
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!((4_000..=5_000).contains(&pttl), "in-flight PTTL {pttl}");
+
+    store
+        .complete(
+            &request.lease_with_fence(fence),
+            &ok_response(),
+            Duration::from_secs(3600),
+        )
+        .await
+        .unwrap();
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(
+        (3_590_000..=3_600_000).contains(&pttl),
+        "completed PTTL {pttl}"
+    );
+}
+
+#[tokio::test]
+async fn two_instances_on_one_redis_run_a_key_once() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let prefix = format!("test:{}:", Uuid::new_v4());
+    let instance = || {
+        let runs = Arc::clone(&runs);
+        let store = RedisStore::open(&redis_url())
+            .unwrap()
+            .with_prefix(prefix.clone());
+        Router::new()
+            .route(
+                "/pay",
+                post(move || async move {
+                    runs.fetch_add(1, SeqCst);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    (StatusCode::CREATED, "paid")
+                }),
+            )
+            .layer(IdempotencyLayer::new(store))
+    };
+    let instances = [instance(), instance()];
+    let send = |i: usize| {
+        let app = instances[i % 2].clone();
+        async move {
+            let request = http::Request::post("/pay")
+                .header("idempotency-key", "k-fleet")
+                .body(axum::body::Body::empty())
+                .unwrap();
+            app.oneshot(request).await.unwrap().status()
+        }
+    };
+    let statuses = futures_util::future::join_all((0..8).map(send)).await;
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|s| **s == StatusCode::CREATED)
+            .count(),
+        1,
+        "{statuses:?}"
+    );
+    assert!(
+        statuses
+            .iter()
+            .all(|s| *s == StatusCode::CREATED || *s == StatusCode::CONFLICT)
+    );
+    assert_eq!(runs.load(SeqCst), 1);
+
+    let replayed = loop {
+        let request = http::Request::post("/pay")
+            .header("idempotency-key", "k-fleet")
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let response = instances[1].clone().oneshot(request).await.unwrap();
+        if response.status() != StatusCode::CONFLICT {
+            break response;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(replayed.status(), StatusCode::CREATED);
+    assert_eq!(replayed.headers()["idempotent-replayed"], "true");
+    assert_eq!(runs.load(SeqCst), 1);
+}
