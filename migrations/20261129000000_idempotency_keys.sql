@@ -8,10 +8,12 @@
 --             deadline once committed or completed. A claim takes over an expired row; the
 --             sweeper deletes expired rows.
 -- fence       from idempotency_fence: grows with every claim and reclaim, across releases too.
+--
+-- Idempotent (IF NOT EXISTS), so applying it through two migration trackers is harmless.
 
-CREATE SEQUENCE idempotency_fence;
+CREATE SEQUENCE IF NOT EXISTS idempotency_fence;
 
-CREATE TABLE idempotency_keys (
+CREATE TABLE IF NOT EXISTS idempotency_keys (
     scope        text        NOT NULL,
     key          text        NOT NULL,
     fingerprint  bytea       NOT NULL,
@@ -29,4 +31,4 @@ CREATE TABLE idempotency_keys (
 );
 
 -- The sweeper's scan: oldest expired rows first.
-CREATE INDEX idempotency_keys_expires_at ON idempotency_keys (expires_at);
+CREATE INDEX IF NOT EXISTS idempotency_keys_expires_at ON idempotency_keys (expires_at);

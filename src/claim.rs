@@ -1,5 +1,7 @@
 //! The request extension a guarded handler runs under.
 
+use std::time::Duration;
+
 use uuid::Uuid;
 
 use crate::{IdempotencyKey, store::Lease};
@@ -16,11 +18,14 @@ use crate::{IdempotencyKey, store::Lease};
 #[derive(Debug, Clone)]
 pub struct IdempotencyClaim {
     lease: Lease,
+    retention: Duration,
 }
 
 impl IdempotencyClaim {
-    pub(crate) fn new(lease: Lease) -> Self {
-        Self { lease }
+    /// The claim for `lease`, kept for `retention` once finished. The layer builds it for every
+    /// guarded request; this constructor lets a handler be tested without the layer.
+    pub fn new(lease: Lease, retention: Duration) -> Self {
+        Self { lease, retention }
     }
 
     /// The idempotency key, as the client sent it (unquoted).
@@ -47,6 +52,47 @@ impl IdempotencyClaim {
     /// The lease behind the claim.
     pub fn lease(&self) -> &Lease {
         &self.lease
+    }
+
+    /// How long the key's outcome is kept once committed or completed.
+    pub fn retention(&self) -> Duration {
+        self.retention
+    }
+
+    /// The fence: moves the key from in flight to committed **inside the handler's own
+    /// transaction**, if this request still owns it, and fails otherwise.
+    ///
+    /// Make the business write and this call in one transaction, and commit only if it succeeds:
+    ///
+    /// ```no_run
+    /// # async fn handler(pool: sqlx::PgPool, claim: tower_idempotency::IdempotencyClaim) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut tx = pool.begin().await?;
+    /// sqlx::query("INSERT INTO payments (id, amount_cents) VALUES ($1, $2)")
+    ///     .bind("pay_1")
+    ///     .bind(4900_i64)
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// claim.commit(&mut tx).await?; // FenceError::LeaseLost: drop `tx`, nothing is written
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// A handler whose lease expired during a stall, and whose key another attempt reclaimed,
+    /// gets [`FenceError::LeaseLost`](crate::store::FenceError::LeaseLost) and its transaction
+    /// rolls back: exactly one business commit per key, even when two attempts ran. Once the
+    /// transaction commits, the key can no longer be released or reclaimed: the layer completes
+    /// it whatever the response, and if the instance dies before that, retries get an
+    /// `outcome-unknown` problem, never a second execution.
+    ///
+    /// The row is locked until the transaction ends: keep it short, since retries of this key
+    /// wait on it. Needs the Postgres store (alone or behind Redis), the `idempotency_keys`
+    /// table on the transaction's `search_path`, and the `postgres` feature.
+    #[cfg(feature = "postgres")]
+    pub async fn commit(
+        &self,
+        connection: &mut sqlx::PgConnection,
+    ) -> Result<(), crate::store::FenceError> {
+        crate::store::commit(connection, &self.lease, self.retention).await
     }
 }
 

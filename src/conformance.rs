@@ -3,8 +3,10 @@
 //! Every store in this crate runs it, and so should yours: one line in your tests generates a
 //! `#[tokio::test]` per case, each against a fresh store from your expression.
 //!
-//! ```ignore
-//! tower_idempotency::store_conformance_tests!(async { MyStore::connect("...").await.unwrap() });
+//! ```no_run
+//! # use tower_idempotency::MemoryStore as MyStore;
+//! // In tests/my_store.rs: one #[tokio::test] per case, each on a store from the expression.
+//! tower_idempotency::store_conformance_tests!(async { MyStore::new() });
 //! ```
 //!
 //! Each case works under a scope of its own (a random UUID), so cases can share one backend and

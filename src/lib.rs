@@ -47,9 +47,10 @@
 //!    number and a lease. No request reaches the handler without a claim.
 //! 4. The handler runs in a task of its own, so it finishes even if the client disconnects; the
 //!    lease is renewed while it runs, and a panic becomes a 500 that frees the key.
-//! 5. The response streams to the caller while a copy (up to the cache limit) is kept; then the
-//!    key is **completed** (response stored) or **released** (deleted) according to the
-//!    [`CompletionPolicy`], but only if this owner still holds it.
+//! 5. The key is **completed** (response stored) or **released** (deleted) according to the
+//!    [`CompletionPolicy`], but only if this owner still holds it; then the response is sent, so
+//!    a caller holding its answer finds the key final. A response over the cache limit streams
+//!    to its caller as it is produced and is stored without its body.
 //!
 //! The handler finds an [`IdempotencyClaim`] in the request extensions: the key, the scope and
 //! the fence.
@@ -60,6 +61,7 @@
 //! |---|---|
 //! | [`MemoryStore`] | tests and single-process development only: **no protection across instances** |
 //! | `store::RedisStore` (feature `redis`) | a fast shared store; alone, a best effort (eviction, failover) |
+//! | `store::PostgresStore` (feature `postgres`) | the source of truth, with the handler fence ([`IdempotencyClaim`]`::commit`) |
 //!
 //! # Limits
 //!
@@ -74,6 +76,7 @@
 //! |---|---|
 //! | `axum` | [`IdempotencyClaim`] as an axum extractor |
 //! | `redis` | `store::RedisStore` |
+//! | `postgres` | `store::PostgresStore`, its migrations and sweeper, `IdempotencyClaim::commit` |
 //! | `conformance` | [`conformance`], the store conformance suite |
 //!
 //! [tower]: https://github.com/tower-rs/tower

@@ -1,14 +1,18 @@
 //! One guarded request, from its body to its finalized key. Runs in a task of its own.
 
 use std::{
-    convert::Infallible, future::Future, panic::AssertUnwindSafe, pin::pin, sync::Arc,
+    convert::Infallible,
+    future::Future,
+    panic::AssertUnwindSafe,
+    pin::{Pin, pin},
+    sync::Arc,
     time::Duration,
 };
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::FutureExt;
 use http::{HeaderMap, HeaderValue, Request, Response};
-use http_body::Body;
+use http_body::{Body, Frame};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::sync::{mpsc, oneshot};
 use tower_service::Service;
@@ -33,6 +37,9 @@ const RELAY_FRAMES: usize = 16;
 /// Attempts at finalizing a key before giving up (its lease then frees it).
 const FINALIZE_ATTEMPTS: u32 = 3;
 
+/// Where the answer to the caller goes.
+type Caller<B, E> = oneshot::Sender<Reply<B, E>>;
+
 /// What the handler's run left to store.
 struct Outcome {
     response: StoredResponse,
@@ -40,13 +47,13 @@ struct Outcome {
 }
 
 /// Runs one guarded request: buffer and fingerprint, claim, run the handler while renewing the
-/// lease, relay its response to the caller, then finalize the key.
+/// lease, finalize the key, then answer.
 pub(crate) async fn run<S, ReqBody, ResBody>(
     config: Arc<Config>,
     inner: S,
     key: IdempotencyKey,
     request: Request<ReqBody>,
-    reply: oneshot::Sender<Reply<ResBody, S::Error>>,
+    reply: Caller<ResBody, S::Error>,
 ) where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     ReqBody: Body,
@@ -112,17 +119,22 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     let mut request = Request::from_parts(parts, RequestBody::buffered(body));
     request
         .extensions_mut()
-        .insert(IdempotencyClaim::new(lease.clone()));
-    let outcome = {
+        .insert(IdempotencyClaim::new(lease.clone(), config.retention));
+    let handled = {
         let work = pin!(handle(&config, inner, request, reply, &key, grpc));
         let renewal = pin!(keep_lease(&config, &lease));
         tokio::select! {
             biased;
-            outcome = work => outcome,
+            handled = work => handled,
             never = renewal => match never {},
         }
     };
-    finalize(&config, &lease, outcome).await;
+    finalize(&config, &lease, handled.outcome).await;
+    // Answered only now, so that a caller who has its answer finds the key final: a retry sent
+    // the moment it arrives is replayed (or runs again, if released), never refused as in flight.
+    if let Some((reply, answer)) = handled.answer {
+        let _ = reply.send(answer);
+    }
 }
 
 /// Buffers a guarded request body, up to `limit` bytes.
@@ -142,16 +154,24 @@ where
     }
 }
 
-/// Calls the handler, relays its response to the caller as it is produced, and keeps a copy
-/// (up to the cache limit) to store. Panics and service errors become a 500 that releases the key.
+/// What running the handler left: the outcome to store, and the answer still owed to the
+/// caller, to send once the key is finalized (`None` when the response was streamed already).
+struct Handled<B, E> {
+    outcome: Outcome,
+    answer: Option<(Caller<B, E>, Reply<B, E>)>,
+}
+
+/// Calls the handler and reads its response. A response within the cache limit is kept whole
+/// and answered after finalizing; a larger one streams to the caller as it is produced and is
+/// stored without its body. Panics and service errors become a 500 that releases the key.
 async fn handle<S, ReqBody, ResBody>(
     config: &Config,
     mut inner: S,
     request: Request<RequestBody<ReqBody>>,
-    reply: oneshot::Sender<Reply<ResBody, S::Error>>,
+    reply: Caller<ResBody, S::Error>,
     key: &IdempotencyKey,
     grpc: bool,
-) -> Outcome
+) -> Handled<ResBody, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     ResBody: Body,
@@ -165,107 +185,172 @@ where
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
             tracing::warn!(key = %key, "handler returned a service error; releasing the key");
-            let _ = reply.send(Err(error));
-            return failure::<ResBody, S::Error>(config, key, grpc, None);
+            return Handled {
+                outcome: failure::<ResBody>(config, key, grpc).0,
+                answer: Some((reply, Err(error))),
+            };
         }
         Err(_panic) => {
             tracing::error!(key = %key, "handler panicked; releasing the key");
-            return failure(config, key, grpc, Some(reply));
+            let (outcome, problem) = failure(config, key, grpc);
+            return Handled {
+                outcome,
+                answer: Some((reply, Ok(problem))),
+            };
         }
     };
 
     let (parts, body) = response.into_parts();
-    let status = parts.status;
     let mut headers = HeaderMap::with_capacity(parts.headers.len());
     for (name, value) in &parts.headers {
         if config.stores_header(name) {
             headers.append(name, value.clone());
         }
     }
-    let (frames, receiver) = mpsc::channel::<LiveFrame>(RELAY_FRAMES);
     let hint = body.size_hint();
+    let mut body = pin!(body);
+    let mut chunks = Vec::new();
+    let mut len = 0;
+    let mut trailers = None;
+    let overflow = loop {
+        match next_frame(body.as_mut(), key).await {
+            Next::Data(data) if len + data.len() > config.max_response_body => break data,
+            Next::Data(data) => {
+                len += data.len();
+                chunks.push(data);
+            }
+            Next::Trailers(t) => trailers = Some(t),
+            Next::End => {
+                let data = concat(chunks);
+                let completion = config.policy.decide(&ResponseSummary {
+                    status: parts.status,
+                    headers: &headers,
+                    trailers: trailers.as_ref(),
+                });
+                let stored = StoredResponse::new(
+                    parts.status,
+                    headers,
+                    Some(data.clone()),
+                    trailers.clone(),
+                );
+                let answer = Response::from_parts(parts, ResponseBody::full(data, trailers));
+                return Handled {
+                    outcome: Outcome {
+                        response: stored,
+                        completion,
+                    },
+                    answer: Some((reply, Ok(answer))),
+                };
+            }
+            Next::Failed(_) => {
+                // Nothing reached the caller yet: it gets a clean 500 instead of a torn body.
+                let (outcome, problem) = failure(config, key, grpc);
+                return Handled {
+                    outcome,
+                    answer: Some((reply, Ok(problem))),
+                };
+            }
+        }
+    };
+
+    // Over the cache limit: stream what was read and the rest, and store the outcome bodiless.
+    let (frames, receiver) = mpsc::channel::<LiveFrame>(RELAY_FRAMES);
+    let status = parts.status;
     let _ = reply.send(Ok(Response::from_parts(
         parts,
         ResponseBody::live(receiver, &hint),
     )));
-
     let mut caller = Some(frames);
-    let mut cache = Some(Vec::<Bytes>::new());
-    let mut cached_len = 0;
-    let mut trailers = None;
-    let mut body = pin!(body);
-    let body_ok = loop {
-        let polled = AssertUnwindSafe(body.frame())
-            .catch_unwind()
-            .await
-            .map(|frame| {
-                frame.map(|frame| {
-                    frame
-                        .map(|f| f.map_data(|mut d| d.copy_to_bytes(d.remaining())))
-                        .map_err(Into::<BoxError>::into)
-                })
-            });
-        let frame = match polled {
-            Ok(Some(Ok(frame))) => frame,
-            Ok(None) => break true,
-            Ok(Some(Err(error))) => {
-                tracing::warn!(key = %key, error = %error, "handler's response body failed");
-                relay(&mut caller, Err(error)).await;
-                break false;
-            }
-            Err(_panic) => {
-                tracing::error!(key = %key, "handler panicked while producing its body");
-                relay(
-                    &mut caller,
-                    Err("the handler panicked while producing its body".into()),
-                )
-                .await;
-                break false;
-            }
-        };
-        if let Some(data) = frame.data_ref() {
-            cached_len += data.len();
-            if cached_len > config.max_response_body {
-                cache = None;
-            } else if let Some(cache) = &mut cache {
-                cache.push(data.clone());
-            }
-        } else if let Some(t) = frame.trailers_ref() {
-            trailers = Some(t.clone());
-        }
-        relay(&mut caller, Ok(frame)).await;
-    };
-    if !body_ok {
-        config.metrics.add(|m| &m.handler_failures);
-        return Outcome {
-            response: StoredResponse::new(status, headers, None, None),
-            completion: Completion::Release,
-        };
+    for data in chunks.into_iter().chain([overflow]) {
+        len += data.len();
+        relay(&mut caller, Ok(Frame::data(data))).await;
     }
+    loop {
+        match next_frame(body.as_mut(), key).await {
+            Next::Data(data) => {
+                len += data.len();
+                relay(&mut caller, Ok(Frame::data(data))).await;
+            }
+            Next::Trailers(t) => {
+                trailers = Some(t.clone());
+                relay(&mut caller, Ok(Frame::trailers(t))).await;
+            }
+            Next::End => break,
+            Next::Failed(error) => {
+                relay(&mut caller, Err(error)).await;
+                config.metrics.add(|m| &m.handler_failures);
+                return Handled {
+                    outcome: Outcome {
+                        response: StoredResponse::new(status, headers, None, None),
+                        completion: Completion::Release,
+                    },
+                    answer: None,
+                };
+            }
+        }
+    }
+    config.metrics.add(|m| &m.responses_not_stored);
+    tracing::warn!(key = %key, bytes = len, limit = config.max_response_body, "response over the cache limit; storing the outcome without its body");
     let completion = config.policy.decide(&ResponseSummary {
         status,
         headers: &headers,
         trailers: trailers.as_ref(),
     });
-    let body = cache.map(concat);
-    if body.is_none() {
-        config.metrics.add(|m| &m.responses_not_stored);
-        tracing::warn!(key = %key, bytes = cached_len, limit = config.max_response_body, "response over the cache limit; storing the outcome without its body");
-    }
-    Outcome {
-        response: StoredResponse::new(status, headers, body, trailers),
-        completion,
+    Handled {
+        outcome: Outcome {
+            response: StoredResponse::new(status, headers, None, trailers),
+            completion,
+        },
+        answer: None,
     }
 }
 
-/// The outcome of a handler that panicked or failed: a 500 problem, sent to the caller if it is
-/// still owed an answer, that releases the key (and is stored if the handler had committed).
-fn failure<B, E>(
+/// One step of reading the handler's response body.
+enum Next {
+    Data(Bytes),
+    Trailers(HeaderMap),
+    End,
+    Failed(BoxError),
+}
+
+/// Reads the next data or trailers frame, catching a panic of the body.
+async fn next_frame<B>(mut body: Pin<&mut B>, key: &IdempotencyKey) -> Next
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    loop {
+        let polled = AssertUnwindSafe(body.as_mut().frame()).catch_unwind().await;
+        return match polled {
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(mut data) => Next::Data(data.copy_to_bytes(data.remaining())),
+                Err(frame) => match frame.into_trailers() {
+                    Ok(trailers) => Next::Trailers(trailers),
+                    // A frame kind this crate does not know: nothing to store or relay.
+                    Err(_) => continue,
+                },
+            },
+            Ok(None) => Next::End,
+            Ok(Some(Err(error))) => {
+                let error: BoxError = error.into();
+                tracing::warn!(key = %key, error = %error, "handler's response body failed");
+                Next::Failed(error)
+            }
+            Err(_panic) => {
+                tracing::error!(key = %key, "handler panicked while producing its body");
+                Next::Failed("the handler panicked while producing its body".into())
+            }
+        };
+    }
+}
+
+/// The outcome of a handler that panicked or failed: a 500 problem that releases the key (and is
+/// stored if the handler had committed), and the same problem as the caller's answer.
+fn failure<B>(
     config: &Config,
     key: &IdempotencyKey,
     grpc: bool,
-    reply: Option<oneshot::Sender<Reply<B, E>>>,
-) -> Outcome {
+) -> (Outcome, Response<ResponseBody<B>>) {
     config.metrics.add(|m| &m.handler_failures);
     let (parts, body) = Rejection::HandlerFailed
         .into_response(Some(key), grpc)
@@ -276,16 +361,14 @@ fn failure<B, E>(
         Some(body.clone()),
         None,
     );
-    if let Some(reply) = reply {
-        let _ = reply.send(Ok(Response::from_parts(
-            parts,
-            ResponseBody::full(body, None),
-        )));
-    }
-    Outcome {
+    let outcome = Outcome {
         response: stored,
         completion: Completion::Release,
-    }
+    };
+    (
+        outcome,
+        Response::from_parts(parts, ResponseBody::full(body, None)),
+    )
 }
 
 /// Sends a frame to the caller, forgetting the caller once it has gone.

@@ -4,6 +4,8 @@
 //! the way separate processes share Redis and Postgres; the fleet tests with real processes and
 //! real stores live in `fleet.rs`.
 
+mod support;
+
 use std::{
     convert::Infallible,
     sync::{
@@ -23,11 +25,11 @@ use axum::{
 };
 use bytes::Bytes;
 use http_body_util::{BodyExt, StreamBody};
+use support::FrozenRenewals;
 use tokio::sync::{Notify, Semaphore};
 use tower::{Service, ServiceExt};
 use tower_idempotency::{
     Completion, CompletionPolicy, IdempotencyClaim, IdempotencyLayer, MemoryStore, problem,
-    store::{BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, Store, StoreError},
 };
 
 /// What the handlers share with the test.
@@ -659,37 +661,6 @@ async fn trailers_are_replayed() {
     assert_eq!(runs.load(SeqCst), 1);
 }
 
-/// A store that stops renewing, like an instance frozen by a GC pause or SIGSTOP.
-#[derive(Clone)]
-struct FrozenRenewals(MemoryStore);
-
-impl Store for FrozenRenewals {
-    fn claim<'a>(
-        &'a self,
-        request: &'a ClaimRequest,
-    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
-        self.0.claim(request)
-    }
-    fn renew<'a>(
-        &'a self,
-        _: &'a Lease,
-        _: Duration,
-    ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        Box::pin(async { Ok(Ownership::Held) })
-    }
-    fn complete<'a>(
-        &'a self,
-        lease: &'a Lease,
-        response: &'a tower_idempotency::StoredResponse,
-        retention: Duration,
-    ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        self.0.complete(lease, response, retention)
-    }
-    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        self.0.release(lease)
-    }
-}
-
 #[tokio::test]
 async fn a_live_handler_keeps_its_lease_past_the_lease_length() {
     let probe = Probe::gated();
@@ -748,38 +719,74 @@ async fn a_stalled_owner_loses_its_lease_and_its_finalize_changes_nothing() {
     );
 }
 
-#[tokio::test]
-async fn a_failing_body_releases_the_key() {
-    let attempts = Arc::new(AtomicUsize::new(0));
-    let service = tower::service_fn({
-        let attempts = Arc::clone(&attempts);
+/// A service whose first response body fails after `good` bytes; later ones succeed.
+fn failing_body_service(
+    good: usize,
+    attempts: Arc<AtomicUsize>,
+) -> impl Service<
+    Request<tower_idempotency::RequestBody<Body>>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(
         move |_request: Request<tower_idempotency::RequestBody<Body>>| {
             let attempt = attempts.fetch_add(1, SeqCst);
             async move {
+                let rest: Result<_, std::io::Error> = if attempt == 0 {
+                    Err(std::io::Error::other("disk gone"))
+                } else {
+                    Ok(http_body::Frame::data(Bytes::from_static(b"-rest")))
+                };
                 let frames = futures_util::stream::iter([
-                    Ok(http_body::Frame::data(Bytes::from_static(b"partial"))),
-                    if attempt == 0 {
-                        Err(std::io::Error::other("disk gone"))
-                    } else {
-                        Ok(http_body::Frame::data(Bytes::from_static(b"-rest")))
-                    },
+                    Ok(http_body::Frame::data(Bytes::from(vec![b'p'; good]))),
+                    rest,
                 ]);
                 Ok::<_, Infallible>(Response::new(Body::new(StreamBody::new(frames))))
             }
-        }
-    });
+        },
+    )
+}
+
+#[tokio::test]
+async fn a_body_that_fails_before_anything_was_sent_is_a_500_that_releases_the_key() {
+    let attempts = Arc::new(AtomicUsize::new(0));
     let service = tower::ServiceBuilder::new()
         .layer(IdempotencyLayer::new(MemoryStore::new()))
-        .service(service);
+        .service(failing_body_service(7, Arc::clone(&attempts)));
     let req = || post_payment("k-body-error", "");
+    let failed = send(&service, req()).await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(failed.problem_type(), problem::HANDLER_FAILED);
+
+    let retry = send(&service, req()).await;
+    assert_eq!(retry.body, "ppppppp-rest");
+    assert!(!retry.replayed());
+    assert_eq!(attempts.load(SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_streamed_body_that_fails_midway_reaches_the_caller_as_an_error_and_releases_the_key() {
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let service = tower::ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(MemoryStore::new()).with_max_response_body(16))
+        .service(failing_body_service(32, Arc::clone(&attempts)));
+    let req = || post_payment("k-stream-error", "");
     let response = service.clone().oneshot(req()).await.unwrap();
+    assert_eq!(
+        response.status(),
+        StatusCode::OK,
+        "the head was already sent"
+    );
     assert!(
         response.into_body().collect().await.is_err(),
         "the caller must see the body fail"
     );
 
     let retry = eventually_not_in_flight(&service, req).await;
-    assert_eq!(retry.body, "partial-rest");
+    assert_eq!(retry.body.len(), 32 + 5);
     assert!(!retry.replayed());
     assert_eq!(attempts.load(SeqCst), 2);
 }

@@ -38,10 +38,18 @@ use uuid::Uuid;
 use crate::{Fingerprint, IdempotencyKey, StoredResponse};
 
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 
 pub use memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub(crate) use postgres::commit;
+#[cfg(feature = "postgres")]
+pub use postgres::{
+    DEFAULT_POSTGRES_TIMEOUT, DEFAULT_SWEEP_BATCH, FenceError, MIGRATOR, PostgresStore,
+};
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_REDIS_TIMEOUT, RedisStore};
 

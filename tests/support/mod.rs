@@ -13,6 +13,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use tower_idempotency::store::{self, Store};
 
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
@@ -249,4 +250,227 @@ pub fn signal_pid(pid: u32, signal: &str) {
 /// The machine's Redis, for tests that share it (under a unique prefix).
 pub fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// The machine's Postgres, for tests that share it (each in a schema of its own).
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// A pool whose connections live in `schema` (created if missing, with the crate's migrations
+/// applied), with a short acquire timeout so a dead database fails fast.
+pub async fn pool_in_schema(url: &str, schema: &str) -> sqlx::PgPool {
+    use sqlx::{Connection, Executor};
+
+    let options = schema_options(url, schema);
+    // Concurrent `CREATE SCHEMA IF NOT EXISTS` can race; one advisory lock serializes set-up.
+    let mut setup = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    setup
+        .execute("SELECT pg_advisory_lock(727274)")
+        .await
+        .unwrap();
+    setup
+        .execute(sqlx::AssertSqlSafe(format!(
+            r#"CREATE SCHEMA IF NOT EXISTS "{schema}""#
+        )))
+        .await
+        .unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(options)
+        .await
+        .unwrap();
+    store::PostgresStore::new(pool.clone())
+        .migrate()
+        .await
+        .unwrap();
+    setup
+        .execute("SELECT pg_advisory_unlock(727274)")
+        .await
+        .unwrap();
+    pool
+}
+
+/// Connection options for `url` whose connections resolve names in `schema`.
+pub fn schema_options(url: &str, schema: &str) -> sqlx::postgres::PgConnectOptions {
+    use std::str::FromStr;
+    sqlx::postgres::PgConnectOptions::from_str(url)
+        .unwrap()
+        .options([("search_path", schema)])
+}
+
+/// A schema of the test's own on the machine's Postgres, dropped by [`TestSchema::drop`].
+pub struct TestSchema {
+    pub name: String,
+    pub pool: sqlx::PgPool,
+}
+
+impl TestSchema {
+    pub async fn new() -> Self {
+        let name = format!("test_{}", uuid::Uuid::new_v4().simple());
+        let pool = pool_in_schema(&database_url(), &name).await;
+        Self { name, pool }
+    }
+
+    /// Drops the schema (call at the end of a test; a failed test leaves it for inspection).
+    pub async fn drop(self) {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            r#"DROP SCHEMA "{}" CASCADE"#,
+            self.name
+        )))
+        .execute(&self.pool)
+        .await
+        .unwrap();
+        self.pool.close().await;
+    }
+}
+
+/// A Postgres cluster of the test's own (initdb + pg_ctl), for tests that stop it.
+pub struct PgCluster {
+    dir: PathBuf,
+    pub port: u16,
+    bin: PathBuf,
+    running: bool,
+}
+
+impl PgCluster {
+    pub async fn start() -> Self {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .expect("PostgreSQL server binaries under /usr/lib/postgresql")
+            .filter_map(|entry| Some(entry.ok()?.path().join("bin")))
+            .filter(|bin| bin.join("initdb").exists())
+            .max()
+            .expect("initdb under /usr/lib/postgresql/*/bin");
+        let dir = std::env::temp_dir().join(format!("pg-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        if running_as_root() {
+            // initdb refuses to run as root: the cluster belongs to the postgres user.
+            assert!(
+                Command::new("chown")
+                    .args(["postgres:postgres"])
+                    .arg(&dir)
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+        }
+        let mut cluster = Self {
+            dir,
+            port: free_port(),
+            bin,
+            running: false,
+        };
+        let initdb = cluster
+            .command("initdb")
+            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
+            .arg(cluster.dir.join("data"))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(initdb.success(), "initdb failed");
+        cluster.start_server().await;
+        cluster
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let program = self.bin.join(program);
+        if running_as_root() {
+            let mut command = Command::new("runuser");
+            command.args(["-u", "postgres", "--"]).arg(program);
+            command
+        } else {
+            Command::new(program)
+        }
+    }
+
+    pub async fn start_server(&mut self) {
+        let options = format!(
+            "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off",
+            self.port,
+            self.dir.display()
+        );
+        let status = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-l"])
+            .arg(self.dir.join("log"))
+            .args(["-o", &options, "-w", "start"])
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "pg_ctl start failed");
+        self.running = true;
+    }
+
+    /// Stops the server at once, as a crash would (`-m immediate`).
+    pub fn stop_server(&mut self) {
+        let status = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-m", "immediate", "-w", "stop"])
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "pg_ctl stop failed");
+        self.running = false;
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+fn running_as_root() -> bool {
+    Command::new("id").arg("-u").output().unwrap().stdout == b"0\n"
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        if self.running {
+            self.stop_server();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A store whose renewals never arrive, like an instance frozen by a long pause: its leases run
+/// out while its handlers still run.
+#[derive(Clone)]
+pub struct FrozenRenewals<S>(pub S);
+
+impl<S: Store> Store for FrozenRenewals<S> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a store::ClaimRequest,
+    ) -> store::BoxFuture<'a, Result<store::ClaimOutcome, store::StoreError>> {
+        self.0.claim(request)
+    }
+
+    fn renew<'a>(
+        &'a self,
+        _: &'a store::Lease,
+        _: Duration,
+    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
+        Box::pin(async { Ok(store::Ownership::Held) })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        lease: &'a store::Lease,
+        response: &'a tower_idempotency::StoredResponse,
+        retention: Duration,
+    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
+        self.0.complete(lease, response, retention)
+    }
+
+    fn release<'a>(
+        &'a self,
+        lease: &'a store::Lease,
+    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
+        self.0.release(lease)
+    }
 }

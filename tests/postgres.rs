@@ -1,0 +1,575 @@
+//! The Postgres store against real servers: the machine's (a schema per test) and, for tests
+//! that stop it, a cluster of their own.
+
+mod support;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering::SeqCst},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Router,
+    body::Body,
+    extract::State,
+    http::{Request, StatusCode},
+    response::{IntoResponse, Response},
+    routing::post,
+};
+use http::HeaderMap;
+use http_body_util::BodyExt;
+use sqlx::PgPool;
+use support::{
+    FrozenRenewals, PgCluster, TestSchema, database_url, pool_in_schema, schema_options,
+};
+use tokio::sync::{Notify, Semaphore};
+use tower::ServiceExt;
+use tower_idempotency::{
+    Fingerprint, IdempotencyClaim, IdempotencyKey, IdempotencyLayer, StoredResponse, problem,
+    store::{
+        ClaimOutcome, ClaimRequest, FenceError, Lease, MIGRATOR, Ownership, PostgresStore,
+        RecordKey, Store,
+    },
+};
+use uuid::Uuid;
+
+tower_idempotency::store_conformance_tests!(async {
+    let store =
+        PostgresStore::new(pool_in_schema(&database_url(), "tower_idempotency_conformance").await);
+    // The shared schema outlives the run: keep it from growing.
+    store.sweep().await.unwrap();
+    store
+});
+
+fn claim_request(key: &str, lease: Duration) -> ClaimRequest {
+    let parts = http::Request::post("/x").body(()).unwrap().into_parts().0;
+    ClaimRequest::new(
+        RecordKey::new("tenant", IdempotencyKey::try_from(key).unwrap()),
+        Fingerprint::of_request(&parts, &[], b"body"),
+        Uuid::new_v4(),
+        lease,
+    )
+}
+
+async fn acquire(store: &impl Store, request: &ClaimRequest) -> Lease {
+    match store.claim(request).await.unwrap() {
+        ClaimOutcome::Acquired { fence } => request.lease_with_fence(fence),
+        other => panic!("expected to acquire, got {other:?}"),
+    }
+}
+
+fn response(status: StatusCode) -> StoredResponse {
+    StoredResponse::new(status, HeaderMap::new(), Some("body".into()), None)
+}
+
+const LONG: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claims_from_two_instances_yield_one_owner_every_round() {
+    let schema = TestSchema::new().await;
+    let instances = [
+        PostgresStore::new(pool_in_schema(&database_url(), &schema.name).await),
+        PostgresStore::new(pool_in_schema(&database_url(), &schema.name).await),
+    ];
+    for round in 0..100 {
+        let key = format!("race-{round}");
+        let tasks: Vec<_> = (0..8)
+            .map(|i| {
+                let store = instances[i % 2].clone();
+                let request = claim_request(&key, LONG);
+                tokio::spawn(async move { store.claim(&request).await.unwrap() })
+            })
+            .collect();
+        let mut acquired = 0;
+        for task in tasks {
+            match task.await.unwrap() {
+                ClaimOutcome::Acquired { .. } => acquired += 1,
+                ClaimOutcome::InFlight { .. } => {}
+                other => panic!("round {round}: unexpected {other:?}"),
+            }
+        }
+        assert_eq!(acquired, 1, "round {round}: {acquired} owners");
+    }
+    schema.drop().await;
+}
+
+#[tokio::test]
+async fn the_fence_refuses_a_stale_owner_and_is_idempotent_for_the_current_one() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone());
+    let stale = claim_request("k-fence", Duration::from_millis(200));
+    let stale_lease = acquire(&store, &stale).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let current = claim_request("k-fence", LONG);
+    let current_lease = acquire(&store, &current).await;
+    assert!(current_lease.fence() > stale_lease.fence());
+
+    let claim_of = |lease: &Lease| claim_for(lease.clone());
+    let mut tx = schema.pool.begin().await.unwrap();
+    match claim_of(&stale_lease).commit(&mut tx).await {
+        Err(FenceError::LeaseLost { record, fence }) => {
+            assert_eq!(record.key().as_str(), "k-fence");
+            assert_eq!(fence, stale_lease.fence());
+        }
+        other => panic!("a stale owner's fence must fail, got {other:?}"),
+    }
+    drop(tx);
+
+    let mut tx = schema.pool.begin().await.unwrap();
+    claim_of(&current_lease).commit(&mut tx).await.unwrap();
+    claim_of(&current_lease).commit(&mut tx).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        store.release(&current_lease).await.unwrap(),
+        Ownership::Committed
+    );
+    assert_eq!(store.release(&stale_lease).await.unwrap(), Ownership::Lost);
+    assert_eq!(
+        store
+            .complete(&current_lease, &response(StatusCode::OK), LONG)
+            .await
+            .unwrap(),
+        Ownership::Held
+    );
+    schema.drop().await;
+}
+
+/// The claim a handler holding `lease` receives.
+fn claim_for(lease: Lease) -> IdempotencyClaim {
+    IdempotencyClaim::new(lease, LONG)
+}
+
+#[tokio::test]
+async fn a_committed_key_whose_owner_died_never_runs_again() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone());
+    let request = claim_request("k-orphan", Duration::from_millis(200));
+    let lease = acquire(&store, &request).await;
+    let mut tx = schema.pool.begin().await.unwrap();
+    claim_for(lease.clone()).commit(&mut tx).await.unwrap();
+    tx.commit().await.unwrap();
+
+    // The owner "dies": no renewal, no completion. Its lease runs out, the commit stands.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(store.claim(&request).await.unwrap(), ClaimOutcome::Orphaned);
+    assert_eq!(
+        store.claim(&claim_request("k-orphan", LONG)).await.unwrap(),
+        ClaimOutcome::Orphaned
+    );
+    schema.drop().await;
+}
+
+/// A payment API over Postgres whose handler writes its row through the fence; the first attempt
+/// stalls (until the test lets it go) after its insert and before its fence.
+struct Payments {
+    pool: PgPool,
+    attempts: AtomicUsize,
+    stalled: Notify,
+    unstall: Semaphore,
+}
+
+async fn create_payment(State(app): State<Arc<Payments>>, claim: IdempotencyClaim) -> Response {
+    let attempt = app.attempts.fetch_add(1, SeqCst) as i32 + 1;
+    let mut tx = app.pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO payments (key, attempt) VALUES ($1, $2)")
+        .bind(claim.key().as_str())
+        .bind(attempt)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    if attempt == 1 {
+        app.stalled.notify_one();
+        let _permit = app.unstall.acquire().await.unwrap();
+    }
+    match claim.commit(&mut tx).await {
+        Ok(()) => {
+            tx.commit().await.unwrap();
+            (StatusCode::CREATED, format!("attempt {attempt}")).into_response()
+        }
+        // `tx` is dropped: the insert rolls back.
+        Err(FenceError::LeaseLost { .. }) => (StatusCode::CONFLICT, "lost the key").into_response(),
+        Err(error) => panic!("{error}"),
+    }
+}
+
+fn payments_app(layer: IdempotencyLayer, app: &Arc<Payments>) -> Router {
+    Router::new()
+        .route("/payments", post(create_payment))
+        .layer(layer)
+        .with_state(Arc::clone(app))
+}
+
+async fn post_payment(app: &Router, key: &str) -> (StatusCode, HeaderMap, String) {
+    let request = Request::post("/payments")
+        .header("idempotency-key", key)
+        .body(Body::empty())
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_handler_that_lost_its_lease_cannot_commit_a_second_payment() {
+    let schema = TestSchema::new().await;
+    sqlx::query("CREATE TABLE payments (key text NOT NULL, attempt int NOT NULL)")
+        .execute(&schema.pool)
+        .await
+        .unwrap();
+    let store = PostgresStore::new(schema.pool.clone());
+    let state = Arc::new(Payments {
+        pool: schema.pool.clone(),
+        attempts: AtomicUsize::new(0),
+        stalled: Notify::new(),
+        unstall: Semaphore::new(0),
+    });
+    let stalled_layer =
+        IdempotencyLayer::new(FrozenRenewals(store.clone())).with_lease(Duration::from_millis(300));
+    let stalled = payments_app(stalled_layer.clone(), &state);
+    let healthy = payments_app(IdempotencyLayer::new(store.clone()), &state);
+
+    let first = tokio::spawn({
+        let stalled = stalled.clone();
+        async move { post_payment(&stalled, "pay-once").await }
+    });
+    state.stalled.notified().await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    // The lease ran out while the first attempt stalled: the retry reclaims and commits.
+    let (status, _, body) = post_payment(&healthy, "pay-once").await;
+    assert_eq!((status, body.as_str()), (StatusCode::CREATED, "attempt 2"));
+
+    state.unstall.add_permits(1);
+    let (status, _, _) = first.await.unwrap();
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "the stale attempt must fail its fence"
+    );
+
+    let rows: Vec<(String, i32)> = sqlx::query_as("SELECT key, attempt FROM payments")
+        .fetch_all(&schema.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        rows,
+        [("pay-once".to_owned(), 2)],
+        "exactly one business commit"
+    );
+    assert_eq!(stalled_layer.metrics().snapshot().leases_lost, 1);
+
+    let (status, headers, body) = post_payment(&healthy, "pay-once").await;
+    assert_eq!((status, body.as_str()), (StatusCode::CREATED, "attempt 2"));
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(state.attempts.load(SeqCst), 2);
+    schema.drop().await;
+}
+
+#[tokio::test]
+async fn a_committed_key_is_completed_whatever_the_response() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route(
+            "/refunds",
+            post({
+                let (pool, runs) = (schema.pool.clone(), Arc::clone(&runs));
+                move |claim: IdempotencyClaim| async move {
+                    runs.fetch_add(1, SeqCst);
+                    let mut tx = pool.begin().await.unwrap();
+                    claim.commit(&mut tx).await.unwrap();
+                    tx.commit().await.unwrap();
+                    // A 503 would normally release the key; after the commit it must not.
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(store));
+    let send = || async {
+        let request = Request::post("/refunds")
+            .header("idempotency-key", "refund-1")
+            .body(Body::empty())
+            .unwrap();
+        app.clone().oneshot(request).await.unwrap()
+    };
+    assert_eq!(send().await.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let retry = send().await;
+    assert_eq!(retry.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(runs.load(SeqCst), 1);
+    schema.drop().await;
+}
+
+#[tokio::test]
+async fn an_orphaned_key_answers_outcome_unknown_through_the_layer() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route(
+            "/x",
+            post({
+                let runs = Arc::clone(&runs);
+                move || async move {
+                    runs.fetch_add(1, SeqCst);
+                    StatusCode::OK
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(store.clone()));
+
+    // An earlier attempt of this request claimed and committed, then its instance died.
+    let parts = Request::post("/x").body(()).unwrap().into_parts().0;
+    let dead = ClaimRequest::new(
+        RecordKey::new("", IdempotencyKey::try_from("k-dead").unwrap()),
+        Fingerprint::of_request(&parts, &[], b""),
+        Uuid::new_v4(),
+        Duration::from_millis(100),
+    );
+    let lease = acquire(&store, &dead).await;
+    let mut tx = schema.pool.begin().await.unwrap();
+    claim_for(lease).commit(&mut tx).await.unwrap();
+    tx.commit().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let request = Request::post("/x")
+        .header("idempotency-key", "k-dead")
+        .body(Body::empty())
+        .unwrap();
+    let response = app.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    assert!(response.headers().get("retry-after").is_none());
+    let body: serde_json::Value =
+        serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(body["type"], problem::OUTCOME_UNKNOWN);
+    assert_eq!(runs.load(SeqCst), 0);
+    schema.drop().await;
+}
+
+#[tokio::test]
+async fn the_sweeper_removes_only_expired_rows() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone());
+    let short = Duration::from_millis(100);
+
+    // Expired: an in-flight claim whose lease ran out, a completed key past its retention.
+    acquire(&store, &claim_request("expired-in-flight", short)).await;
+    let lease = acquire(&store, &claim_request("expired-completed", LONG)).await;
+    store
+        .complete(&lease, &response(StatusCode::OK), short)
+        .await
+        .unwrap();
+    // Alive: a live claim, a completed key within retention, and a committed key whose lease
+    // ran out (its retention counts from the commit).
+    acquire(&store, &claim_request("live-in-flight", LONG)).await;
+    let lease = acquire(&store, &claim_request("live-completed", LONG)).await;
+    store
+        .complete(&lease, &response(StatusCode::OK), LONG)
+        .await
+        .unwrap();
+    let lease = acquire(&store, &claim_request("committed", short)).await;
+    let mut tx = schema.pool.begin().await.unwrap();
+    claim_for(lease).commit(&mut tx).await.unwrap();
+    tx.commit().await.unwrap();
+
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(store.sweep().await.unwrap(), 2);
+    let mut keys: Vec<String> = sqlx::query_scalar("SELECT key FROM idempotency_keys")
+        .fetch_all(&schema.pool)
+        .await
+        .unwrap();
+    keys.sort();
+    assert_eq!(keys, ["committed", "live-completed", "live-in-flight"]);
+    assert_eq!(store.sweep().await.unwrap(), 0);
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweepers_in_parallel_skip_rows_others_hold() {
+    let schema = TestSchema::new().await;
+    sqlx::query(
+        "INSERT INTO idempotency_keys
+             (scope, key, fingerprint, state, owner, fence, lease_until, expires_at)
+         SELECT 's', 'k' || i, '\\x00', 'in_flight', gen_random_uuid(), i,
+                now() - interval '1 hour', now() - interval '1 hour'
+         FROM generate_series(1, 3000) AS i",
+    )
+    .execute(&schema.pool)
+    .await
+    .unwrap();
+
+    // Another instance holds 100 expired rows (a sweep in progress, say).
+    let mut holder = schema.pool.begin().await.unwrap();
+    sqlx::query("SELECT key FROM idempotency_keys WHERE key IN (SELECT 'k' || i FROM generate_series(1, 100) i) FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+
+    let store = PostgresStore::new(schema.pool.clone()).with_sweep_batch(200);
+    let started = Instant::now();
+    let (a, b) = tokio::join!(store.sweep(), store.sweep());
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a + b, 2900, "the two sweepers deleted {a} and {b}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "sweepers waited on each other or on held rows: {:?}",
+        started.elapsed()
+    );
+
+    holder.rollback().await.unwrap();
+    assert_eq!(store.sweep().await.unwrap(), 100);
+    schema.drop().await;
+}
+
+#[tokio::test]
+async fn migrations_apply_as_a_plain_sqlx_migrator_and_twice_through_the_store() {
+    let name = format!("test_{}", Uuid::new_v4().simple());
+    let admin = PgPool::connect(&database_url()).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(r#"CREATE SCHEMA "{name}""#)))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let pool = PgPool::connect_with(schema_options(&database_url(), &name))
+        .await
+        .unwrap();
+    MIGRATOR.run(&pool).await.unwrap();
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1 ORDER BY 1",
+    )
+    .bind(&name)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        tables,
+        [
+            "_sqlx_migrations",
+            "_tower_idempotency_migrations",
+            "idempotency_keys"
+        ]
+    );
+    pool.close().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        r#"DROP SCHEMA "{name}" CASCADE"#
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+}
+
+/// A layer over a Postgres of the test's own, with a handler that counts its runs.
+fn counting_app(store: PostgresStore, runs: &Arc<AtomicUsize>) -> Router {
+    let runs = Arc::clone(runs);
+    Router::new()
+        .route(
+            "/orders",
+            post(move || async move {
+                runs.fetch_add(1, SeqCst);
+                (StatusCode::CREATED, "ordered")
+            }),
+        )
+        .layer(IdempotencyLayer::new(store))
+}
+
+async fn order(app: &Router, key: &str) -> Response {
+    let request = Request::post("/orders")
+        .header("idempotency-key", key)
+        .body(Body::empty())
+        .unwrap();
+    app.clone().oneshot(request).await.unwrap().into_response()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_is_down_means_503_and_no_execution_until_it_returns() {
+    let mut cluster = PgCluster::start().await;
+    let pool = pool_in_schema(&cluster.url(), "public").await;
+    let store = PostgresStore::new(pool).with_timeout(Duration::from_secs(3));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(store, &runs);
+    assert_eq!(order(&app, "before").await.status(), StatusCode::CREATED);
+
+    cluster.stop_server();
+    let mut answered = 0;
+    for key in ["before", "during-1", "during-2"] {
+        let started = Instant::now();
+        let response = order(&app, key).await;
+        assert_eq!(
+            response.status(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "key {key}"
+        );
+        assert!(response.headers().contains_key("retry-after"));
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "503 took {:?}",
+            started.elapsed()
+        );
+        answered += 1;
+    }
+    assert_eq!(answered, 3);
+    assert_eq!(runs.load(SeqCst), 1, "a handler ran without a claim");
+
+    cluster.start_server().await;
+    let started = Instant::now();
+    let response = loop {
+        let response = order(&app, "during-1").await;
+        if response.status() != StatusCode::SERVICE_UNAVAILABLE {
+            break response;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "still 503 after the restart"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let replay = order(&app, "before").await;
+    assert_eq!(
+        replay.headers()["idempotent-replayed"],
+        "true",
+        "the completed key was lost"
+    );
+    assert_eq!(runs.load(SeqCst), 2);
+}
+
+#[tokio::test]
+async fn an_exhausted_pool_is_a_fast_503() {
+    let schema = TestSchema::new().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_with(schema_options(&database_url(), &schema.name))
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(PostgresStore::new(pool.clone()), &runs);
+
+    let held = pool.acquire().await.unwrap();
+    let started = Instant::now();
+    assert_eq!(
+        order(&app, "k-pool").await.status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(runs.load(SeqCst), 0);
+    drop(held);
+    assert_eq!(order(&app, "k-pool").await.status(), StatusCode::CREATED);
+    pool.close().await;
+    schema.drop().await;
+}
