@@ -8,24 +8,46 @@
 //! ```
 //!
 //! Send the same command again: the answer is the same payment, with `Idempotent-Replayed: true`,
-//! and the mock provider charged once. Change the amount with the same key: 422.
+//! and the provider charged once. Change the amount with the same key: 422.
+//!
+//! | variable | effect |
+//! |---|---|
+//! | `DATABASE_URL` | payments and idempotency keys in Postgres (migrations run at start-up) |
+//! | `REDIS_URL` | Redis as the first line (in front of Postgres when both are set) |
+//! | `PROVIDER_URL` | charge through an HTTP payment provider (`POST {url}/charges`) instead of the built-in mock |
+//! | `PORT` | listening port on 127.0.0.1 (3000) |
+//! | `IDEMPOTENCY_LEASE_MS` | the claim lease (30000) |
+//! | `PAYMENTS_WORK_MS` | simulated work (fraud scoring) before the payment is written (0) |
+//!
+//! With neither URL set, everything lives in memory: fine to try, no protection across processes.
 
 use std::{
     collections::HashMap,
     env,
     net::{Ipv4Addr, SocketAddr},
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use axum::{
     Json, Router,
     extract::{Path, State},
-    http::{StatusCode, header},
+    http::{HeaderValue, Request, StatusCode, header},
     response::{IntoResponse, Response},
     routing::{get, post},
 };
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::TokioExecutor,
+};
 use serde::{Deserialize, Serialize};
-use tower_idempotency::{IdempotencyClaim, IdempotencyLayer, MemoryStore};
+use sqlx::{FromRow, PgPool, postgres::PgPoolOptions};
+use tower_idempotency::{
+    IdempotencyClaim, IdempotencyLayer, MemoryStore,
+    store::{FenceError, PostgresStore, RedisStore, Store, TieredStore},
+};
 
 #[derive(Debug, Deserialize)]
 struct NewPayment {
@@ -34,41 +56,86 @@ struct NewPayment {
     customer: String,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, FromRow)]
 struct Payment {
     id: String,
     amount_cents: i64,
     currency: String,
     customer: String,
-    status: &'static str,
+    status: String,
     charge_id: String,
     idempotency_key: String,
 }
 
-/// Stands in for a payment provider: it counts charges per idempotency key, the number that
-/// must never exceed one.
-#[derive(Default)]
-struct MockProvider {
-    charges: Mutex<HashMap<String, u32>>,
+/// Where payments are kept.
+enum Ledger {
+    Memory(Mutex<HashMap<String, Payment>>),
+    Postgres(PgPool),
 }
 
-impl MockProvider {
-    fn charge(&self, key: &str, amount_cents: i64) -> String {
-        let mut charges = self.charges.lock().unwrap();
-        let count = charges.entry(key.to_owned()).or_default();
-        *count += 1;
-        if *count > 1 {
-            tracing::error!(key, count = *count, "DUPLICATE CHARGE");
+/// The payment provider. The idempotency key goes with every charge, so a real provider
+/// deduplicates on its side too; the mock counts charges per key, a number that must stay at one.
+enum Provider {
+    Mock(Mutex<HashMap<String, u32>>),
+    Http {
+        url: String,
+        client: Client<HttpConnector, Full<Bytes>>,
+    },
+}
+
+impl Provider {
+    async fn charge(&self, key: &str, amount_cents: i64) -> Result<String, String> {
+        match self {
+            Provider::Mock(charges) => {
+                let mut charges = charges.lock().unwrap();
+                let count = charges.entry(key.to_owned()).or_default();
+                *count += 1;
+                if *count > 1 {
+                    tracing::error!(key, count = *count, "DUPLICATE CHARGE");
+                }
+                Ok(format!("ch_{}", uuid::Uuid::new_v4().simple()))
+            }
+            Provider::Http { url, client } => {
+                let body = serde_json::json!({ "amount_cents": amount_cents }).to_string();
+                let request = Request::post(format!("{url}/charges"))
+                    .header("idempotency-key", key)
+                    .header(header::CONTENT_TYPE, "application/json")
+                    .body(Full::new(Bytes::from(body)))
+                    .map_err(|e| e.to_string())?;
+                let response = client.request(request).await.map_err(|e| e.to_string())?;
+                if !response.status().is_success() {
+                    return Err(format!("provider answered {}", response.status()));
+                }
+                let body = response
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let charge: serde_json::Value =
+                    serde_json::from_slice(&body.to_bytes()).map_err(|e| e.to_string())?;
+                charge["id"]
+                    .as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| "provider answered without a charge id".into())
+            }
         }
-        tracing::info!(key, amount_cents, "provider charged");
-        format!("ch_{}", uuid::Uuid::new_v4().simple())
     }
 }
 
-#[derive(Default)]
 struct AppState {
-    payments: Mutex<HashMap<String, Payment>>,
-    provider: MockProvider,
+    ledger: Ledger,
+    provider: Provider,
+    work: Duration,
+}
+
+fn problem(status: StatusCode, title: &str, detail: impl std::fmt::Display) -> Response {
+    let body = serde_json::json!({ "title": title, "status": status.as_u16(), "detail": detail.to_string() });
+    let mut response = (status, Json(body)).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    response
 }
 
 async fn create_payment(
@@ -77,30 +144,44 @@ async fn create_payment(
     Json(new): Json<NewPayment>,
 ) -> Response {
     if new.amount_cents <= 0 || new.currency.len() != 3 || new.customer.is_empty() {
-        let problem = serde_json::json!({
-            "title": "invalid payment",
-            "detail": "amount_cents must be positive, currency a 3-letter code, customer non-empty",
-        });
-        return (StatusCode::BAD_REQUEST, Json(problem)).into_response();
+        // A 4xx is stored too: retrying an invalid payment gets the same answer.
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "invalid payment",
+            "amount_cents must be positive, currency a 3-letter code, customer non-empty",
+        );
     }
-    // The key goes to the provider too, so it deduplicates on its side as well.
-    let charge_id = state
-        .provider
-        .charge(claim.key().as_str(), new.amount_cents);
-    let payment = Payment {
+    // Fraud scoring, address checks…: work done before anything is written.
+    tokio::time::sleep(state.work).await;
+
+    let key = claim.key().as_str();
+    let mut payment = Payment {
         id: format!("pay_{}", uuid::Uuid::new_v4().simple()),
         amount_cents: new.amount_cents,
         currency: new.currency.to_lowercase(),
         customer: new.customer,
-        status: "succeeded",
-        charge_id,
-        idempotency_key: claim.key().to_string(),
+        status: "succeeded".into(),
+        charge_id: String::new(),
+        idempotency_key: key.to_owned(),
     };
-    state
-        .payments
-        .lock()
-        .unwrap()
-        .insert(payment.id.clone(), payment.clone());
+    match &state.ledger {
+        Ledger::Memory(payments) => {
+            payment.charge_id = match state.provider.charge(key, payment.amount_cents).await {
+                Ok(charge) => charge,
+                Err(error) => return problem(StatusCode::BAD_GATEWAY, "provider failed", error),
+            };
+            payments
+                .lock()
+                .unwrap()
+                .insert(payment.id.clone(), payment.clone());
+        }
+        Ledger::Postgres(pool) => {
+            if let Err(response) = record_payment(pool, &state.provider, &claim, &mut payment).await
+            {
+                return response;
+            }
+        }
+    }
     let location = format!("/payments/{}", payment.id);
     (
         StatusCode::CREATED,
@@ -110,11 +191,114 @@ async fn create_payment(
         .into_response()
 }
 
+/// Charges and writes the payment in one transaction, fenced: the fence comes first, so an
+/// attempt that lost its claim (its lease ran out during a stall and a retry took the key over)
+/// stops before charging, and while this attempt holds the fence no retry can take it over.
+async fn record_payment(
+    pool: &PgPool,
+    provider: &Provider,
+    claim: &IdempotencyClaim,
+    payment: &mut Payment,
+) -> Result<(), Response> {
+    let unavailable = |error: sqlx::Error| {
+        problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database unavailable",
+            error,
+        )
+    };
+    let mut tx = pool.begin().await.map_err(unavailable)?;
+    match claim.commit(&mut tx).await {
+        Ok(()) => {}
+        Err(error @ FenceError::LeaseLost { .. }) => {
+            tracing::warn!(%error, "stale attempt stopped by the fence");
+            return Err(problem(StatusCode::CONFLICT, "claim lost", error));
+        }
+        Err(error) => {
+            return Err(problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database unavailable",
+                error,
+            ));
+        }
+    }
+    payment.charge_id = provider
+        .charge(claim.key().as_str(), payment.amount_cents)
+        .await
+        .map_err(|error| problem(StatusCode::BAD_GATEWAY, "provider failed", error))?;
+    sqlx::query(
+        "INSERT INTO payments (id, amount_cents, currency, customer, status, charge_id, idempotency_key)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(&payment.id)
+    .bind(payment.amount_cents)
+    .bind(&payment.currency)
+    .bind(&payment.customer)
+    .bind(&payment.status)
+    .bind(&payment.charge_id)
+    .bind(&payment.idempotency_key)
+    .execute(&mut *tx)
+    .await
+    .map_err(unavailable)?;
+    tx.commit().await.map_err(unavailable)
+}
+
 async fn get_payment(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
-    match state.payments.lock().unwrap().get(&id) {
-        Some(payment) => Json(payment.clone()).into_response(),
+    let found = match &state.ledger {
+        Ledger::Memory(payments) => payments.lock().unwrap().get(&id).cloned(),
+        Ledger::Postgres(pool) => {
+            match sqlx::query_as::<_, Payment>("SELECT * FROM payments WHERE id = $1")
+                .bind(&id)
+                .fetch_optional(pool)
+                .await
+            {
+                Ok(found) => found,
+                Err(error) => {
+                    return problem(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "database unavailable",
+                        error,
+                    );
+                }
+            }
+        }
+    };
+    match found {
+        Some(payment) => Json(payment).into_response(),
         None => StatusCode::NOT_FOUND.into_response(),
     }
+}
+
+/// The example's own table. Instances starting together would race on `CREATE TABLE IF NOT
+/// EXISTS`; an advisory lock lets one at a time in.
+async fn create_payments_table(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('tower-idempotency payments example'))")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS payments (
+             id text PRIMARY KEY, amount_cents bigint NOT NULL, currency text NOT NULL,
+             customer text NOT NULL, status text NOT NULL, charge_id text NOT NULL,
+             idempotency_key text NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await
+}
+
+fn env_millis(name: &str, default: u64) -> Duration {
+    Duration::from_millis(
+        env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default),
+    )
+}
+
+fn fail(what: &str, error: impl std::fmt::Display) -> ! {
+    eprintln!("{what}: {error}");
+    std::process::exit(1)
 }
 
 #[tokio::main]
@@ -126,17 +310,79 @@ async fn main() {
         )
         .init();
 
-    tracing::warn!(
-        "no REDIS_URL / DATABASE_URL: running on the in-memory store, which protects this \
-         single process only"
-    );
-    let layer = IdempotencyLayer::new(MemoryStore::new()).require_key(true);
+    let postgres = match env::var("DATABASE_URL") {
+        Ok(url) => {
+            let pool = PgPoolOptions::new()
+                .max_connections(16)
+                .acquire_timeout(Duration::from_secs(2))
+                .connect_lazy(&url)
+                .unwrap_or_else(|e| fail("DATABASE_URL", e));
+            let store = PostgresStore::new(pool.clone()).with_timeout(Duration::from_secs(3));
+            store
+                .migrate()
+                .await
+                .unwrap_or_else(|e| fail("migrations", e));
+            create_payments_table(&pool)
+                .await
+                .unwrap_or_else(|e| fail("creating the payments table", e));
+            store.spawn_sweeper(Duration::from_secs(60));
+            Some(store)
+        }
+        Err(_) => None,
+    };
+    let redis = env::var("REDIS_URL")
+        .ok()
+        .map(|url| RedisStore::open(&url).unwrap_or_else(|e| fail("REDIS_URL", e)));
+    let (store, ledger): (Arc<dyn Store>, _) = match (redis, postgres) {
+        (Some(redis), Some(postgres)) => {
+            tracing::info!("idempotency: Redis in front of Postgres");
+            let pool = postgres.pool().clone();
+            (
+                Arc::new(TieredStore::new(redis, postgres)),
+                Ledger::Postgres(pool),
+            )
+        }
+        (None, Some(postgres)) => {
+            tracing::info!("idempotency: Postgres");
+            let pool = postgres.pool().clone();
+            (Arc::new(postgres), Ledger::Postgres(pool))
+        }
+        (Some(redis), None) => {
+            tracing::warn!("idempotency: Redis alone (best effort); payments kept in memory");
+            (Arc::new(redis), Ledger::Memory(Mutex::default()))
+        }
+        (None, None) => {
+            tracing::warn!(
+                "no REDIS_URL / DATABASE_URL: running on the in-memory store, which protects this \
+                 single process only"
+            );
+            (
+                Arc::new(MemoryStore::new()),
+                Ledger::Memory(Mutex::default()),
+            )
+        }
+    };
+    let provider = match env::var("PROVIDER_URL") {
+        Ok(url) => Provider::Http {
+            url,
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        },
+        Err(_) => Provider::Mock(Mutex::default()),
+    };
+    let state = AppState {
+        ledger,
+        provider,
+        work: env_millis("PAYMENTS_WORK_MS", 0),
+    };
+    let layer = IdempotencyLayer::from_shared_store(store)
+        .require_key(true)
+        .with_lease(env_millis("IDEMPOTENCY_LEASE_MS", 30_000));
 
     let app = Router::new()
         .route("/payments", post(create_payment))
         .route("/payments/{id}", get(get_payment))
         .layer(layer)
-        .with_state(Arc::new(AppState::default()));
+        .with_state(Arc::new(state));
 
     let port = env::var("PORT")
         .ok()
@@ -145,10 +391,7 @@ async fn main() {
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     let listener = tokio::net::TcpListener::bind(addr)
         .await
-        .unwrap_or_else(|e| {
-            eprintln!("cannot listen on {addr}: {e}");
-            std::process::exit(1)
-        });
+        .unwrap_or_else(|e| fail(&format!("cannot listen on {addr}"), e));
     tracing::info!("payments API listening on http://{addr}");
     axum::serve(listener, app).await.unwrap();
 }

@@ -9,7 +9,7 @@
 -- Returns: {0, fence}     acquired: the record is the claimant's, in flight for the lease
 --          {1, pttl}      in flight: another owner's lease has pttl milliseconds left
 --          {2}            mismatch: the key holds a different fingerprint
---          {3, response}  completed: the stored response, encoded
+--          {3, response, pttl}  completed: the stored response, encoded, kept pttl ms more
 --          {4, reason}    the record is unreadable (corrupted, or another layout version)
 --
 -- An in-flight record expires with its lease (PEXPIRE), so an expired lease is an absent key.
@@ -37,7 +37,7 @@ if state == 'c' then
   if not response then
     return {4, 'completed record without a response'}
   end
-  return {3, response}
+  return {3, response, redis.call('PTTL', KEYS[1])}
 end
 if state == 'i' then
   return {1, redis.call('PTTL', KEYS[1])}

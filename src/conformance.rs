@@ -105,6 +105,23 @@ fn response() -> StoredResponse {
     )
 }
 
+/// Expects a replay within the retention the suite stores with; returns the response.
+fn replayed(outcome: ClaimOutcome) -> StoredResponse {
+    match outcome {
+        ClaimOutcome::Completed {
+            response,
+            expires_in,
+        } => {
+            assert!(
+                expires_in > Duration::ZERO && expires_in <= LONG,
+                "expires_in {expires_in:?} is not within the retention"
+            );
+            *response
+        }
+        other => panic!("expected a replay, got {other:?}"),
+    }
+}
+
 async fn claim(store: &impl Store, request: &ClaimRequest) -> ClaimOutcome {
     store
         .claim(request)
@@ -172,19 +189,15 @@ pub async fn completed_key_replays_its_response(store: &impl Store) {
     let record = record();
     let lease = acquire(store, &request(&record, "a", LONG)).await;
     assert_eq!(complete(store, &lease, &response()).await, Ownership::Held);
-    match claim(store, &request(&record, "a", LONG)).await {
-        ClaimOutcome::Completed(stored) => {
-            assert_eq!(*stored, response());
-            let order = |r: &StoredResponse| {
-                r.headers()
-                    .iter()
-                    .map(|(_, v)| v.clone())
-                    .collect::<Vec<_>>()
-            };
-            assert_eq!(order(&stored), order(&response()), "header order changed");
-        }
-        other => panic!("a completed key must replay, got {other:?}"),
-    }
+    let stored = replayed(claim(store, &request(&record, "a", LONG)).await);
+    assert_eq!(stored, response());
+    let order = |r: &StoredResponse| {
+        r.headers()
+            .iter()
+            .map(|(_, v)| v.clone())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(order(&stored), order(&response()), "header order changed");
 }
 
 /// A claim with another fingerprint on a completed key is a mismatch, not a replay.
@@ -205,8 +218,8 @@ pub async fn response_without_body_replays_as_such(store: &impl Store) {
     let bodyless = StoredResponse::new(StatusCode::OK, HeaderMap::new(), None, None);
     assert_eq!(complete(store, &lease, &bodyless).await, Ownership::Held);
     assert_eq!(
-        claim(store, &request(&record, "a", LONG)).await,
-        ClaimOutcome::Completed(Box::new(bodyless))
+        replayed(claim(store, &request(&record, "a", LONG)).await),
+        bodyless
     );
 }
 
@@ -279,8 +292,8 @@ pub async fn stale_owner_changes_nothing(store: &impl Store) {
         Ownership::Held
     );
     assert_eq!(
-        claim(store, &request(&record, "a", LONG)).await,
-        ClaimOutcome::Completed(Box::new(response())),
+        replayed(claim(store, &request(&record, "a", LONG)).await),
+        response(),
         "the replay must be the current owner's response"
     );
 }
@@ -320,8 +333,8 @@ pub async fn finished_key_cannot_be_finalized_again(store: &impl Store) {
     assert_eq!(release(store, &lease).await, Ownership::Lost);
     assert_eq!(renew(store, &lease, LONG).await, Ownership::Lost);
     assert_eq!(
-        claim(store, &request(&record, "a", LONG)).await,
-        ClaimOutcome::Completed(Box::new(response()))
+        replayed(claim(store, &request(&record, "a", LONG)).await),
+        response()
     );
 }
 
@@ -355,8 +368,8 @@ pub async fn scopes_are_independent(store: &impl Store) {
     ));
     assert_eq!(release(store, &b).await, Ownership::Held);
     assert_eq!(
-        claim(store, &request(&tenant_a, "a", LONG)).await,
-        ClaimOutcome::Completed(Box::new(response()))
+        replayed(claim(store, &request(&tenant_a, "a", LONG)).await),
+        response()
     );
 }
 

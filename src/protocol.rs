@@ -80,7 +80,9 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     );
     let fence = match config.store.claim(&claim).await {
         Ok(ClaimOutcome::Acquired { fence }) => fence,
-        Ok(ClaimOutcome::Completed(stored)) => {
+        Ok(ClaimOutcome::Completed {
+            response: stored, ..
+        }) => {
             tracing::debug!(record = %claim.record(), "replaying stored response");
             let _ = reply.send(match stored.body() {
                 Some(_) => {

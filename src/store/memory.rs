@@ -90,9 +90,10 @@ impl State {
                         EntryState::InFlight { .. } => ClaimOutcome::InFlight {
                             retry_after: entry.expires_at - now,
                         },
-                        EntryState::Completed(response) => {
-                            ClaimOutcome::Completed(response.clone())
-                        }
+                        EntryState::Completed(response) => ClaimOutcome::Completed {
+                            response: response.clone(),
+                            expires_in: entry.expires_at - now,
+                        },
                     }
                 };
             }

@@ -42,6 +42,7 @@ mod memory;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+mod tiered;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
@@ -52,6 +53,7 @@ pub use postgres::{
 };
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_REDIS_TIMEOUT, RedisStore};
+pub use tiered::{DEFAULT_BREAKER_COOLDOWN, TieredStore};
 
 /// A boxed future, as returned by [`Store`] methods (the trait stays object safe).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -255,7 +257,12 @@ pub enum ClaimOutcome {
         retry_after: Duration,
     },
     /// The key completed with this fingerprint: replay its response.
-    Completed(Box<StoredResponse>),
+    Completed {
+        /// The stored response.
+        response: Box<StoredResponse>,
+        /// How long the store keeps the record from now (what is left of its retention).
+        expires_in: Duration,
+    },
     /// The key exists with a different fingerprint.
     Mismatch,
     /// The handler committed its business write, then its owner died before storing a response.

@@ -72,12 +72,14 @@ WITH claimed AS (
     RETURNING k.fence
 )
 SELECT true AS acquired, fence, NULL::text AS state, true AS same_request,
-       NULL::bytea AS response, NULL::int8 AS remaining_ms, false AS expired
+       NULL::bytea AS response, NULL::int8 AS remaining_ms, NULL::int8 AS expires_ms,
+       false AS expired
 FROM claimed
 UNION ALL
 SELECT false, k.fence, k.state, k.fingerprint = $3,
        CASE WHEN k.fingerprint = $3 THEN k.response END,
        ceil(extract(epoch FROM k.lease_until - now()) * 1000)::int8,
+       ceil(extract(epoch FROM k.expires_at - now()) * 1000)::int8,
        k.expires_at <= now()
 FROM idempotency_keys k
 WHERE k.scope = $1 AND k.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)
@@ -425,15 +427,23 @@ fn read_claim(row: &PgRow) -> Result<Option<ClaimOutcome>, super::BoxError> {
     if !row.try_get::<bool, _>("same_request")? {
         return Ok(Some(ClaimOutcome::Mismatch));
     }
-    let remaining: i64 = row.try_get::<Option<i64>, _>("remaining_ms")?.unwrap_or(0);
-    let remaining = Duration::from_millis(u64::try_from(remaining).unwrap_or(0));
+    let millis = |column| -> Result<Duration, sqlx::Error> {
+        let millis: Option<i64> = row.try_get(column)?;
+        Ok(Duration::from_millis(
+            u64::try_from(millis.unwrap_or(0)).unwrap_or(0),
+        ))
+    };
+    let remaining = millis("remaining_ms")?;
     let state: String = row.try_get("state")?;
     Ok(Some(match state.as_str() {
         "completed" => {
             let response: Vec<u8> = row
                 .try_get::<Option<Vec<u8>>, _>("response")?
                 .ok_or("completed row without a response")?;
-            ClaimOutcome::Completed(Box::new(StoredResponse::decode(Bytes::from(response))?))
+            ClaimOutcome::Completed {
+                response: Box::new(StoredResponse::decode(Bytes::from(response))?),
+                expires_in: millis("expires_ms")?,
+            }
         }
         "in_flight" => ClaimOutcome::InFlight {
             retry_after: remaining,

@@ -248,9 +248,12 @@ fn parse_claim(reply: Value) -> Result<ClaimOutcome, String> {
             retry_after: Duration::from_millis(u64::try_from(*pttl).unwrap_or(0)),
         }),
         [Value::Int(2)] => Ok(ClaimOutcome::Mismatch),
-        [Value::Int(3), Value::BulkString(response)] => {
+        [Value::Int(3), Value::BulkString(response), Value::Int(pttl)] => {
             StoredResponse::decode(Bytes::copy_from_slice(response))
-                .map(|response| ClaimOutcome::Completed(Box::new(response)))
+                .map(|response| ClaimOutcome::Completed {
+                    response: Box::new(response),
+                    expires_in: Duration::from_millis(u64::try_from(*pttl).unwrap_or(0)),
+                })
                 .map_err(|error| error.to_string())
         }
         [Value::Int(4), Value::BulkString(reason)] => Err(String::from_utf8_lossy(reason).into()),
@@ -285,8 +288,12 @@ mod tests {
             Value::Nil,
             Value::Array(vec![]),
             Value::Array(vec![Value::Int(0), Value::BulkString(b"x".to_vec())]),
-            Value::Array(vec![Value::Int(3), Value::BulkString(b"garbage".to_vec())]),
-            Value::Array(vec![Value::Int(3), Value::Nil]),
+            Value::Array(vec![
+                Value::Int(3),
+                Value::BulkString(b"garbage".to_vec()),
+                Value::Int(1000),
+            ]),
+            Value::Array(vec![Value::Int(3), Value::Nil, Value::Int(1000)]),
             Value::Array(vec![
                 Value::Int(4),
                 Value::BulkString(b"unknown state x".to_vec()),

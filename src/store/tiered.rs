@@ -1,0 +1,439 @@
+//! A fast store in front of an authoritative one: Redis in front of Postgres.
+
+use std::{
+    sync::atomic::{AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+use super::{BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, Store, StoreError};
+use crate::StoredResponse;
+
+/// A fast first line (`front`, typically [`RedisStore`](crate::store::RedisStore)) in front of
+/// the source of truth (`authority`, typically [`PostgresStore`](crate::store::PostgresStore)),
+/// with one owner token across both.
+///
+/// - **Claim**: the front answers replays (one round trip), mismatches and live claims at once;
+///   when it acquires, the authority is always asked. A key the authority has completed but the
+///   front had lost is written back to the front and replayed. Whatever the authority refuses,
+///   or fails on, releases the front's claim.
+/// - **Finalize**: the authority first, then the front. The fence handed to the handler is the
+///   authority's.
+/// - **The front failing** (an error, or its timeout) costs that one call: the request goes on
+///   through the authority alone, and a breaker skips the front for a cooldown (5 s by default)
+///   so a dead Redis costs no timeout per request. After the cooldown one call probes it; the
+///   first success closes the breaker.
+/// - **The authority failing** is an error: the layer answers 503 and the handler never runs.
+///
+/// Correctness rests on the authority alone: the front may lose every record (flush, eviction,
+/// restart, failover) and only the load on the authority rises. What the front can do wrong is
+/// bounded by a lease: a claim it keeps after its owner finished (when it was unreachable at the
+/// release) answers 409 until that lease runs out.
+#[derive(Debug)]
+pub struct TieredStore<F, A> {
+    front: F,
+    authority: A,
+    breaker: Breaker,
+}
+
+/// How long the front is skipped after it fails, by default.
+pub const DEFAULT_BREAKER_COOLDOWN: Duration = Duration::from_secs(5);
+
+impl<F: Store, A: Store> TieredStore<F, A> {
+    /// `front` in front of `authority`.
+    pub fn new(front: F, authority: A) -> Self {
+        Self {
+            front,
+            authority,
+            breaker: Breaker::new(DEFAULT_BREAKER_COOLDOWN),
+        }
+    }
+
+    /// How long the front is skipped after a failure before it is tried again.
+    pub fn with_breaker_cooldown(mut self, cooldown: Duration) -> Self {
+        self.breaker = Breaker::new(cooldown);
+        self
+    }
+
+    /// The front store.
+    pub fn front(&self) -> &F {
+        &self.front
+    }
+
+    /// The authoritative store.
+    pub fn authority(&self) -> &A {
+        &self.authority
+    }
+
+    /// Whether the breaker currently skips the front.
+    pub fn front_skipped(&self) -> bool {
+        self.breaker.is_open()
+    }
+
+    /// Runs a call on the front unless the breaker skips it; `None` when skipped or failed.
+    async fn on_front<T>(
+        &self,
+        what: &str,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Option<T> {
+        if !self.breaker.allows() {
+            return None;
+        }
+        match call.await {
+            Ok(value) => {
+                self.breaker.succeeded();
+                Some(value)
+            }
+            // One unreadable record says nothing about the front's health.
+            Err(error @ StoreError::Corrupt { .. }) => {
+                tracing::warn!(error = %error, "front store {what} failed; using the authority");
+                None
+            }
+            Err(error) => {
+                if self.breaker.failed() {
+                    tracing::warn!(error = %error, cooldown = ?self.breaker.cooldown, "front store {what} failed; skipping it for the cooldown");
+                }
+                None
+            }
+        }
+    }
+}
+
+impl<F: Store, A: Store> Store for TieredStore<F, A> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        Box::pin(async move {
+            let front_lease = match self.on_front("claim", self.front.claim(request)).await {
+                Some(ClaimOutcome::Acquired { fence }) => Some(request.lease_with_fence(fence)),
+                Some(answer) => return Ok(answer),
+                None => None,
+            };
+            let outcome = self.authority.claim(request).await;
+            if let Some(front_lease) = front_lease {
+                match &outcome {
+                    Ok(ClaimOutcome::Acquired { .. }) => {}
+                    // The front had lost this record: put it back, so the next retry is one
+                    // round trip again.
+                    Ok(ClaimOutcome::Completed {
+                        response,
+                        expires_in,
+                    }) => {
+                        self.on_front(
+                            "write-back",
+                            self.front.complete(&front_lease, response, *expires_in),
+                        )
+                        .await;
+                    }
+                    Ok(_) | Err(_) => {
+                        self.on_front("release", self.front.release(&front_lease))
+                            .await;
+                    }
+                }
+            }
+            outcome
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        duration: Duration,
+    ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        Box::pin(async move {
+            let (ownership, _) = tokio::join!(
+                self.authority.renew(lease, duration),
+                self.on_front("renew", self.front.renew(lease, duration)),
+            );
+            ownership
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        lease: &'a Lease,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        Box::pin(async move {
+            let ownership = self.authority.complete(lease, response, retention).await?;
+            match ownership {
+                Ownership::Held => {
+                    self.on_front("complete", self.front.complete(lease, response, retention))
+                        .await;
+                }
+                // A stale owner: free the front of its claim, if it still has one.
+                _ => {
+                    self.on_front("release", self.front.release(lease)).await;
+                }
+            }
+            Ok(ownership)
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        Box::pin(async move {
+            let ownership = self.authority.release(lease).await?;
+            // Committed: the caller completes the key next, which writes the front.
+            if ownership != Ownership::Committed {
+                self.on_front("release", self.front.release(lease)).await;
+            }
+            Ok(ownership)
+        })
+    }
+}
+
+/// Skips the front for a cooldown after it fails. Times are this process's monotonic clock:
+/// they only pace retries, never decide who owns a key.
+#[derive(Debug)]
+struct Breaker {
+    epoch: Instant,
+    cooldown: Duration,
+    /// Milliseconds since `epoch` until which the front is skipped; 0 when closed.
+    open_until: AtomicU64,
+}
+
+impl Breaker {
+    fn new(cooldown: Duration) -> Self {
+        Self {
+            epoch: Instant::now(),
+            cooldown,
+            open_until: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        // +1 keeps "now" apart from the closed marker 0.
+        self.epoch.elapsed().as_millis() as u64 + 1
+    }
+
+    fn is_open(&self) -> bool {
+        self.open_until.load(Ordering::Relaxed) > self.now()
+    }
+
+    /// Whether to call the front now. Once the cooldown is over, one caller gets to probe it while
+    /// the others keep skipping it for another cooldown.
+    fn allows(&self) -> bool {
+        let until = self.open_until.load(Ordering::Relaxed);
+        if until == 0 {
+            return true;
+        }
+        let now = self.now();
+        now >= until
+            && self
+                .open_until
+                .compare_exchange(
+                    until,
+                    now + self.cooldown.as_millis() as u64,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+    }
+
+    fn succeeded(&self) {
+        if self.open_until.load(Ordering::Relaxed) != 0 {
+            self.open_until.store(0, Ordering::Relaxed);
+            tracing::info!("front store answers again");
+        }
+    }
+
+    /// Opens the breaker; `true` if it was closed (worth a log line).
+    fn failed(&self) -> bool {
+        let until = self.now() + self.cooldown.as_millis() as u64;
+        self.open_until.swap(until, Ordering::Relaxed) == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{MemoryStore, RecordKey, StoreError};
+    use crate::{Fingerprint, IdempotencyKey};
+    use http::{HeaderMap, StatusCode};
+    use std::sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize},
+    };
+    use uuid::Uuid;
+
+    mod memory_behind_memory {
+        crate::store_conformance_tests!(async {
+            super::super::TieredStore::new(
+                crate::store::MemoryStore::new(),
+                crate::store::MemoryStore::new(),
+            )
+        });
+    }
+
+    /// A memory store that can be switched off, and counts its calls.
+    #[derive(Clone, Default)]
+    struct Switchable {
+        inner: MemoryStore,
+        down: Arc<AtomicBool>,
+        calls: Arc<AtomicUsize>,
+    }
+
+    impl Switchable {
+        fn check(&self) -> Result<(), StoreError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            if self.down.load(Ordering::SeqCst) {
+                Err(StoreError::Timeout {
+                    store: "switchable",
+                    after: Duration::from_millis(1),
+                })
+            } else {
+                Ok(())
+            }
+        }
+    }
+
+    impl Store for Switchable {
+        fn claim<'a>(
+            &'a self,
+            request: &'a ClaimRequest,
+        ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+            Box::pin(async move {
+                self.check()?;
+                self.inner.claim(request).await
+            })
+        }
+        fn renew<'a>(
+            &'a self,
+            lease: &'a Lease,
+            duration: Duration,
+        ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+            Box::pin(async move {
+                self.check()?;
+                self.inner.renew(lease, duration).await
+            })
+        }
+        fn complete<'a>(
+            &'a self,
+            lease: &'a Lease,
+            response: &'a StoredResponse,
+            retention: Duration,
+        ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+            Box::pin(async move {
+                self.check()?;
+                self.inner.complete(lease, response, retention).await
+            })
+        }
+        fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+            Box::pin(async move {
+                self.check()?;
+                self.inner.release(lease).await
+            })
+        }
+    }
+
+    fn request(key: &str) -> ClaimRequest {
+        let parts = http::Request::post("/").body(()).unwrap().into_parts().0;
+        ClaimRequest::new(
+            RecordKey::new("s", IdempotencyKey::try_from(key).unwrap()),
+            Fingerprint::of_request(&parts, &[], b""),
+            Uuid::new_v4(),
+            Duration::from_secs(30),
+        )
+    }
+
+    fn ok() -> StoredResponse {
+        StoredResponse::new(StatusCode::OK, HeaderMap::new(), Some("ok".into()), None)
+    }
+
+    async fn acquire(store: &impl Store, request: &ClaimRequest) -> Lease {
+        match store.claim(request).await.unwrap() {
+            ClaimOutcome::Acquired { fence } => request.lease_with_fence(fence),
+            other => panic!("not acquired: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lost_front_record_is_written_back_from_the_authority() {
+        let front = MemoryStore::new();
+        let store = TieredStore::new(front.clone(), MemoryStore::new());
+        let first = request("k");
+        let lease = acquire(&store, &first).await;
+        store
+            .complete(&lease, &ok(), Duration::from_secs(60))
+            .await
+            .unwrap();
+
+        // The front loses everything (a FLUSHALL, say).
+        let flushed = MemoryStore::new();
+        let store = TieredStore::new(flushed.clone(), store.authority);
+        assert!(matches!(
+            store.claim(&request("k")).await.unwrap(),
+            ClaimOutcome::Completed { .. }
+        ));
+        // Written back: the front alone now replays it.
+        assert!(matches!(
+            flushed.claim(&request("k")).await.unwrap(),
+            ClaimOutcome::Completed { expires_in, .. } if expires_in <= Duration::from_secs(60)
+        ));
+        drop(front);
+    }
+
+    #[tokio::test]
+    async fn a_claim_the_authority_refuses_releases_the_front() {
+        let front = MemoryStore::new();
+        let authority = MemoryStore::new();
+        // Another instance holds the key in the authority only (its front claim was flushed).
+        acquire(&authority, &request("k")).await;
+        let store = TieredStore::new(front.clone(), authority);
+        assert!(matches!(
+            store.claim(&request("k")).await.unwrap(),
+            ClaimOutcome::InFlight { .. }
+        ));
+        assert!(
+            front.is_empty(),
+            "the front kept a claim the authority refused"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failing_front_is_skipped_for_the_cooldown_then_probed() {
+        let front = Switchable::default();
+        let store = TieredStore::new(front.clone(), MemoryStore::new())
+            .with_breaker_cooldown(Duration::from_millis(200));
+        front.down.store(true, Ordering::SeqCst);
+
+        let lease = acquire(&store, &request("a")).await;
+        assert!(store.front_skipped());
+        let calls = front.calls.load(Ordering::SeqCst);
+        for key in ["b", "c", "d"] {
+            acquire(&store, &request(key)).await;
+        }
+        store
+            .complete(&lease, &ok(), Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(
+            front.calls.load(Ordering::SeqCst),
+            calls,
+            "an open breaker still called the front"
+        );
+
+        front.down.store(false, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        acquire(&store, &request("e")).await;
+        assert!(
+            !store.front_skipped(),
+            "a successful probe must close the breaker"
+        );
+        assert!(front.calls.load(Ordering::SeqCst) > calls);
+    }
+
+    #[tokio::test]
+    async fn a_failing_authority_is_an_error_and_frees_the_front() {
+        let front = MemoryStore::new();
+        let authority = Switchable::default();
+        authority.down.store(true, Ordering::SeqCst);
+        let store = TieredStore::new(front.clone(), authority);
+        assert!(store.claim(&request("k")).await.is_err());
+        assert!(
+            front.is_empty(),
+            "the front kept the claim of a request that will not run"
+        );
+    }
+}

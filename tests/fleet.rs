@@ -1,0 +1,546 @@
+//! The payment example as a fleet: separate OS processes sharing one Redis and one Postgres,
+//! duplicate deliveries spread across them at once, and the faults of DESIGN.md's failure matrix
+//! injected mid-run. Every test counts at the destination (payment rows in Postgres, charges at
+//! the provider), never in logs, and prints its figures (run with `--nocapture` to see them).
+
+mod support;
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering::Relaxed},
+    },
+    time::{Duration, Instant},
+};
+
+use http::StatusCode;
+use sqlx::PgPool;
+use support::{
+    Answer, MockProvider, PgCluster, Proc, RedisServer, TestSchema, database_url, pool_in_schema,
+    post_json, signal_pid, url_in_schema,
+};
+
+/// Fleet tests load both cores with several processes each: they run one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const PAYMENT: &str = r#"{"amount_cents": 4900, "currency": "usd", "customer": "cus_1"}"#;
+
+/// Starts `count` instances of the payment example.
+async fn fleet(count: usize, env: &[(&str, String)]) -> Vec<Proc> {
+    let mut instances = Vec::with_capacity(count);
+    for _ in 0..count {
+        instances.push(Proc::example("payments", env).await);
+    }
+    instances
+}
+
+fn urls(instances: &[Proc]) -> Arc<Vec<String>> {
+    Arc::new(instances.iter().map(|i| i.url("/payments")).collect())
+}
+
+/// What the clients saw.
+#[derive(Default, Debug)]
+struct Tally {
+    requests: AtomicUsize,
+    created: AtomicUsize,
+    replayed: AtomicUsize,
+    conflicts: AtomicUsize,
+    unavailable: AtomicUsize,
+    failed_attempts: AtomicUsize,
+}
+
+impl Tally {
+    fn get(counter: &AtomicUsize) -> usize {
+        counter.load(Relaxed)
+    }
+}
+
+/// Delivers one payment as a careful client does: retry on 409, 503, timeouts and refused
+/// connections (moving to the next instance) until it gets its 201, first or replayed.
+async fn deliver(
+    urls: &[String],
+    first: usize,
+    key: &str,
+    attempt_timeout: Duration,
+    tally: &Tally,
+) -> Answer {
+    let started = Instant::now();
+    for attempt in 0.. {
+        let url = &urls[(first + attempt) % urls.len()];
+        tally.requests.fetch_add(1, Relaxed);
+        match tokio::time::timeout(attempt_timeout, post_json(url, key, PAYMENT)).await {
+            Ok(Ok(answer)) => match answer.status {
+                StatusCode::CREATED => {
+                    let counter = if answer.replayed() {
+                        &tally.replayed
+                    } else {
+                        &tally.created
+                    };
+                    counter.fetch_add(1, Relaxed);
+                    return answer;
+                }
+                StatusCode::CONFLICT => tally.conflicts.fetch_add(1, Relaxed),
+                StatusCode::SERVICE_UNAVAILABLE => tally.unavailable.fetch_add(1, Relaxed),
+                other => panic!(
+                    "{key}: unexpected {other}: {}",
+                    String::from_utf8_lossy(&answer.body)
+                ),
+            },
+            Ok(Err(_)) | Err(_) => tally.failed_attempts.fetch_add(1, Relaxed),
+        };
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{key} undelivered after 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    unreachable!()
+}
+
+/// A small deterministic generator, so schedules vary without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// Delivers `copies` of each of `keys` payments, each copy to a random instance after a random
+/// delay within `spread`. Returns the payment id every copy of each key was answered with.
+async fn burst(
+    urls: &Arc<Vec<String>>,
+    prefix: &str,
+    keys: usize,
+    copies: usize,
+    spread: Duration,
+    tally: &Arc<Tally>,
+) -> HashMap<String, Vec<String>> {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ keys as u64);
+    let mut tasks = Vec::new();
+    for k in 0..keys {
+        for _ in 0..copies {
+            let key = format!("{prefix}-{k}");
+            let delay = Duration::from_millis(rng.below(spread.as_millis() as u64 + 1));
+            let first = rng.below(urls.len() as u64) as usize;
+            let (urls, tally) = (Arc::clone(urls), Arc::clone(tally));
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let answer = deliver(&urls, first, &key, Duration::from_millis(1500), &tally).await;
+                (key, answer.json()["id"].as_str().unwrap().to_owned())
+            }));
+        }
+    }
+    let mut answers: HashMap<String, Vec<String>> = HashMap::new();
+    for task in tasks {
+        let (key, id) = task.await.unwrap();
+        answers.entry(key).or_default().push(id);
+    }
+    answers
+}
+
+/// What reached the destinations.
+#[derive(Debug)]
+struct Figures {
+    keys: usize,
+    rows: i64,
+    charges: u32,
+    duplicate_rows: i64,
+    duplicate_charges: u32,
+    left_in_flight: i64,
+}
+
+/// Checks exactly-once at the destinations: one payment row and one charge per key, every copy
+/// answered with that payment, no key left unfinished.
+async fn exactly_once(
+    pool: &PgPool,
+    provider: &MockProvider,
+    answers: &HashMap<String, Vec<String>>,
+) -> Figures {
+    let rows: Vec<(String, String)> = sqlx::query_as("SELECT idempotency_key, id FROM payments")
+        .fetch_all(pool)
+        .await
+        .unwrap();
+    let mut rows_per_key: HashMap<&str, Vec<&str>> = HashMap::new();
+    for (key, id) in &rows {
+        rows_per_key.entry(key).or_default().push(id);
+    }
+    let charges = provider.charges();
+    let left_in_flight: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE state <> 'completed'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    let figures = Figures {
+        keys: answers.len(),
+        rows: rows.len() as i64,
+        charges: charges.values().sum(),
+        duplicate_rows: rows_per_key.values().map(|ids| ids.len() as i64 - 1).sum(),
+        duplicate_charges: charges.values().map(|c| c - 1).sum(),
+        left_in_flight,
+    };
+    for (key, ids) in answers {
+        let stored = rows_per_key.get(key.as_str()).map(Vec::as_slice);
+        assert_eq!(
+            stored.map(<[_]>::len),
+            Some(1),
+            "{key}: payment rows {stored:?}"
+        );
+        assert!(
+            ids.iter().all(|id| id == stored.unwrap()[0]),
+            "{key}: answered with {ids:?}, stored {stored:?}"
+        );
+        assert_eq!(charges.get(key), Some(&1), "{key}: charges");
+    }
+    assert_eq!(figures.duplicate_rows, 0, "{figures:?}");
+    assert_eq!(figures.duplicate_charges, 0, "{figures:?}");
+    assert_eq!(
+        figures.left_in_flight, 0,
+        "keys left unfinished: {figures:?}"
+    );
+    figures
+}
+
+/// Environment for instances on `redis` and the test's schema.
+fn env(
+    redis: &RedisServer,
+    schema: &TestSchema,
+    provider: &MockProvider,
+    lease_ms: u64,
+    work_ms: u64,
+) -> Vec<(&'static str, String)> {
+    vec![
+        ("REDIS_URL", redis.url()),
+        ("DATABASE_URL", url_in_schema(&database_url(), &schema.name)),
+        ("PROVIDER_URL", provider.url.clone()),
+        ("IDEMPOTENCY_LEASE_MS", lease_ms.to_string()),
+        ("PAYMENTS_WORK_MS", work_ms.to_string()),
+    ]
+}
+
+fn count_lines(instances: &[Proc], needle: &str) -> usize {
+    instances
+        .iter()
+        .map(|i| i.log().matches(needle).count())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_instances_with_stalls_commit_each_key_exactly_once() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start().await;
+    let schema = TestSchema::new().await;
+    let provider = MockProvider::start(Duration::from_millis(20)).await;
+    let lease_ms = 800;
+    let instances = fleet(4, &env(&redis, &schema, &provider, lease_ms, 150)).await;
+    let urls = urls(&instances);
+    let tally = Arc::new(Tally::default());
+
+    // Freeze an instance past its lease now and then, as a long GC pause or a VM migration would.
+    let pids: Vec<u32> = instances.iter().map(Proc::pid).collect();
+    let stalls = tokio::spawn(async move {
+        let mut rng = Rng(42);
+        for _ in 0..4 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let pid = pids[rng.below(pids.len() as u64) as usize];
+            signal_pid(pid, "-STOP");
+            tokio::time::sleep(Duration::from_millis(2 * lease_ms)).await;
+            signal_pid(pid, "-CONT");
+        }
+        4
+    });
+    let answers = burst(&urls, "fleet", 150, 4, Duration::from_millis(6000), &tally).await;
+    let stalls = stalls.await.unwrap();
+    // Let stale attempts resumed from a stall finish, so nothing is left in flight.
+    tokio::time::sleep(Duration::from_millis(2 * lease_ms)).await;
+
+    let figures = exactly_once(&schema.pool, &provider, &answers).await;
+    let fenced = count_lines(&instances, "stale attempt stopped by the fence");
+    let leases_lost = count_lines(&instances, "lease lost");
+    println!(
+        "fleet: {} deliveries of {} keys to 4 instances, {stalls} stalls of {} ms (lease {lease_ms} ms); \
+         {} HTTP requests: {} created, {} replayed, {} x 409, {} x 503, {} attempts timed out or refused; \
+         executions (charges) {}, payment rows {}, stale attempts stopped by the fence {fenced}, \
+         lease-lost finalizes {leases_lost}, duplicate commits {}, duplicate charges {}, keys left in flight {}",
+        answers.values().map(Vec::len).sum::<usize>(),
+        figures.keys,
+        2 * lease_ms,
+        Tally::get(&tally.requests),
+        Tally::get(&tally.created),
+        Tally::get(&tally.replayed),
+        Tally::get(&tally.conflicts),
+        Tally::get(&tally.unavailable),
+        Tally::get(&tally.failed_attempts),
+        figures.charges,
+        figures.rows,
+        figures.duplicate_rows,
+        figures.duplicate_charges,
+        figures.left_in_flight,
+    );
+    // A client whose attempt timed out on a frozen instance never saw its 201: its retry got the
+    // replay. So at most one creation per key reaches a client.
+    assert!(Tally::get(&tally.created) <= figures.keys);
+    assert!(
+        stalls > 0 && fenced + leases_lost > 0 || Tally::get(&tally.failed_attempts) > 0,
+        "no stall hit a request: nothing was tested"
+    );
+    drop(instances);
+    schema.drop().await;
+}
+
+/// Runs a burst on three instances while `fault` does its damage; returns the figures.
+async fn burst_during(
+    name: &str,
+    redis: &mut RedisServer,
+    fault: impl AsyncFnOnce(&mut RedisServer),
+) -> (Figures, Arc<Tally>) {
+    let schema = TestSchema::new().await;
+    let provider = MockProvider::start(Duration::from_millis(10)).await;
+    let instances = fleet(3, &env(redis, &schema, &provider, 2000, 50)).await;
+    let urls = urls(&instances);
+    let tally = Arc::new(Tally::default());
+    let run = burst(&urls, name, 60, 3, Duration::from_millis(2500), &tally);
+    let ((), answers) = tokio::join!(fault(redis), run);
+    let figures = exactly_once(&schema.pool, &provider, &answers).await;
+    println!(
+        "{name}: {} deliveries of {} keys to 3 instances; {} HTTP requests, {} created, {} replayed, \
+         {} x 409, {} x 503, {} attempts timed out or refused; executions {}, duplicate commits {}, \
+         duplicate charges {}",
+        answers.values().map(Vec::len).sum::<usize>(),
+        figures.keys,
+        Tally::get(&tally.requests),
+        Tally::get(&tally.created),
+        Tally::get(&tally.replayed),
+        Tally::get(&tally.conflicts),
+        Tally::get(&tally.unavailable),
+        Tally::get(&tally.failed_attempts),
+        figures.charges,
+        figures.duplicate_rows,
+        figures.duplicate_charges,
+    );
+    drop(instances);
+    schema.drop().await;
+    (figures, tally)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_flushed_mid_run() {
+    let _serial = SERIAL.lock().await;
+    let mut redis = RedisServer::start().await;
+    let (_, tally) = burst_during(
+        "redis-flushed",
+        &mut redis,
+        async |redis: &mut RedisServer| {
+            let client = redis::Client::open(redis.url()).unwrap();
+            let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+            for _ in 0..8 {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let () = redis::cmd("FLUSHALL")
+                    .query_async(&mut admin)
+                    .await
+                    .unwrap();
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        Tally::get(&tally.unavailable),
+        0,
+        "a flush must not fail requests"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restarted_mid_run() {
+    let _serial = SERIAL.lock().await;
+    let mut redis = RedisServer::start().await;
+    let (_, tally) = burst_during(
+        "redis-restarted",
+        &mut redis,
+        async |redis: &mut RedisServer| {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            redis.stop();
+            tokio::time::sleep(Duration::from_millis(1000)).await;
+            redis.restart().await;
+        },
+    )
+    .await;
+    assert_eq!(
+        Tally::get(&tally.unavailable),
+        0,
+        "requests must go on through Postgres"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stalled_mid_run_falls_back_to_postgres_without_errors() {
+    let _serial = SERIAL.lock().await;
+    let mut redis = RedisServer::start().await;
+    let (_, tally) = burst_during(
+        "redis-stalled",
+        &mut redis,
+        async |redis: &mut RedisServer| {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            redis.pause();
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            redis.resume();
+        },
+    )
+    .await;
+    assert_eq!(
+        Tally::get(&tally.unavailable),
+        0,
+        "a slow Redis must not fail requests"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_means_503_then_service_resumes_with_nothing_lost() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = PgCluster::start().await;
+    let pool = pool_in_schema(&cluster.url(), "public").await;
+    let redis = RedisServer::start().await;
+    let provider = MockProvider::start(Duration::from_millis(10)).await;
+    let env = vec![
+        ("REDIS_URL", redis.url()),
+        ("DATABASE_URL", cluster.url()),
+        ("PROVIDER_URL", provider.url.clone()),
+    ];
+    let instances = fleet(2, &env).await;
+    let urls = urls(&instances);
+    let tally = Arc::new(Tally::default());
+    let before = burst(&urls, "before", 20, 2, Duration::from_millis(300), &tally).await;
+
+    cluster.stop_server();
+    let mut refused = 0;
+    for k in 0..10 {
+        let answer = post_json(&urls[k % 2], &format!("during-{k}"), PAYMENT)
+            .await
+            .unwrap();
+        assert_eq!(
+            answer.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        assert!(answer.headers.contains_key("retry-after"));
+        refused += 1;
+    }
+    // Completed keys are still replayed, from Redis.
+    for key in before.keys().take(5) {
+        let answer = post_json(&urls[0], key, PAYMENT).await.unwrap();
+        assert!(answer.replayed(), "{key}: {}", answer.status);
+        assert_eq!(answer.json()["id"], before[key][0].as_str());
+    }
+    assert!(
+        provider
+            .charges()
+            .keys()
+            .all(|key| key.starts_with("before-")),
+        "a handler ran while Postgres was down"
+    );
+
+    cluster.start_server().await;
+    let mut after = burst(&urls, "during", 10, 2, Duration::from_millis(300), &tally).await;
+    after.extend(before);
+    let figures = exactly_once(&pool, &provider, &after).await;
+    println!(
+        "postgres-down: {refused} requests during the outage, all 503 with no execution; \
+         {} keys served before and after, executions {}, duplicate commits {}, duplicate charges {}",
+        figures.keys, figures.charges, figures.duplicate_rows, figures.duplicate_charges
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_killed_mid_request_frees_its_key_when_the_lease_ends() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start().await;
+    let schema = TestSchema::new().await;
+    let provider = MockProvider::start(Duration::from_millis(10)).await;
+    let lease = Duration::from_millis(1000);
+    let mut instances = fleet(2, &env(&redis, &schema, &provider, 1000, 1500)).await;
+    let urls = urls(&instances);
+
+    let doomed = tokio::spawn({
+        let url = urls[0].clone();
+        async move { post_json(&url, "killed-1", PAYMENT).await }
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let _ = instances[0].child.kill(); // SIGKILL, mid-request
+    let killed_at = Instant::now();
+    assert!(
+        doomed.await.unwrap().is_err(),
+        "the killed instance answered"
+    );
+
+    let tally = Tally::default();
+    let answer = deliver(&urls[1..], 0, "killed-1", Duration::from_secs(10), &tally).await;
+    let waited = killed_at.elapsed();
+    assert!(!answer.replayed());
+    // Claimable once the lease (renewed up to a third of it before the kill) runs out: about a
+    // second here, never the retention.
+    assert!(
+        waited < lease * 2 + Duration::from_millis(1500) + Duration::from_secs(2),
+        "took {waited:?}"
+    );
+    let answers = HashMap::from([(
+        "killed-1".to_owned(),
+        vec![answer.json()["id"].as_str().unwrap().to_owned()],
+    )]);
+    let figures = exactly_once(&schema.pool, &provider, &answers).await;
+    println!(
+        "instance-killed: key claimable again after the kill; answered {waited:?} after it \
+         (lease {lease:?}, handler 1.5 s); {} x 409 meanwhile; executions {}, duplicate commits {}",
+        Tally::get(&tally.conflicts),
+        figures.charges,
+        figures.duplicate_rows
+    );
+    assert!(
+        Tally::get(&tally.conflicts) > 0,
+        "the retry came after the lease: nothing was tested"
+    );
+    drop(instances);
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_mid_request_gets_the_replay() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start().await;
+    let schema = TestSchema::new().await;
+    let provider = MockProvider::start(Duration::from_millis(10)).await;
+    let instances = fleet(2, &env(&redis, &schema, &provider, 2000, 800)).await;
+    let urls = urls(&instances);
+
+    let impatient = tokio::spawn({
+        let url = urls[0].clone();
+        async move { post_json(&url, "hung-up-1", PAYMENT).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    impatient.abort(); // the connection closes mid-request
+
+    let tally = Tally::default();
+    let answer = deliver(&urls[1..], 0, "hung-up-1", Duration::from_secs(5), &tally).await;
+    assert!(
+        answer.replayed(),
+        "the handler did not finish after the disconnect"
+    );
+    let answers = HashMap::from([(
+        "hung-up-1".to_owned(),
+        vec![answer.json()["id"].as_str().unwrap().to_owned()],
+    )]);
+    let figures = exactly_once(&schema.pool, &provider, &answers).await;
+    println!(
+        "client-disconnect: handler finished after the client left; retry replayed after {} x 409; \
+         executions {}, duplicate commits {}",
+        Tally::get(&tally.conflicts),
+        figures.charges,
+        figures.duplicate_rows
+    );
+    drop(instances);
+    schema.drop().await;
+}
