@@ -79,7 +79,7 @@ enum Provider {
     Mock(Mutex<HashMap<String, u32>>),
     Http {
         url: String,
-        client: Client<HttpConnector, Full<Bytes>>,
+        client: Box<Client<HttpConnector, Full<Bytes>>>,
     },
 }
 
@@ -365,7 +365,7 @@ async fn main() {
     let provider = match env::var("PROVIDER_URL") {
         Ok(url) => Provider::Http {
             url,
-            client: Client::builder(TokioExecutor::new()).build_http(),
+            client: Box::new(Client::builder(TokioExecutor::new()).build_http()),
         },
         Err(_) => Provider::Mock(Mutex::default()),
     };

@@ -55,6 +55,15 @@
 //! The handler finds an [`IdempotencyClaim`] in the request extensions: the key, the scope and
 //! the fence.
 //!
+//! # tonic and hyper
+//!
+//! The same layer guards gRPC: `tonic::transport::Server::builder().layer(IdempotencyLayer::new(store))`.
+//! The key is the `idempotency-key` metadata entry, the completion policy reads `grpc-status`
+//! from the trailers, replays carry the trailers, and rejections are gRPC statuses (see
+//! [`problem`]). Plain hyper servers wrap their service with `tower::ServiceBuilder` and serve it
+//! through `hyper_util::service::TowerToHyperService`; the inner service receives a
+//! [`RequestBody`].
+//!
 //! # Stores
 //!
 //! | store | use |

@@ -51,3 +51,36 @@ async fn payments_example_creates_replays_and_refuses() {
         .unwrap();
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn hyper_example_runs_an_order_once() {
+    let app = Proc::example("hyper_server", &[]).await;
+    let url = app.url("/orders");
+    let order = |key: &'static str, body: &'static str| {
+        let url = url.clone();
+        async move {
+            send(Method::POST, &url, &[("idempotency-key", key)], body)
+                .await
+                .unwrap()
+        }
+    };
+
+    let first = order("order-1", "two coffees").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.headers["location"], "/orders/1");
+    assert_eq!(first.body, "order 1: two coffees (key order-1)\n");
+
+    let replay = order("order-1", "two coffees").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.headers["location"], "/orders/1");
+
+    assert_eq!(
+        order("order-1", "three coffees").await.status,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    let second = order("order-2", "a tea").await;
+    assert_eq!(second.body, "order 2: a tea (key order-2)\n");
+    let unkeyed = send(Method::POST, &url, &[], "x").await.unwrap();
+    assert_eq!(unkeyed.status, StatusCode::BAD_REQUEST);
+}

@@ -1,0 +1,247 @@
+//! A real tonic client against a real tonic server with the layer: the same guarantees as HTTP,
+//! spoken in gRPC statuses.
+
+mod support;
+
+#[path = "../examples/grpc/payments_proto.rs"]
+mod payments_proto;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst},
+    },
+    time::Duration,
+};
+
+use payments_proto::{CreatePaymentRequest, Payment, Payments, PaymentsClient, PaymentsServer};
+use support::{TestSchema, redis_url};
+use tokio::sync::{Notify, Semaphore};
+use tonic::{Code, Request, Response, Status, transport::Channel};
+use tower_idempotency::{
+    IdempotencyClaim, IdempotencyLayer, MemoryStore,
+    store::{PostgresStore, RedisStore, TieredStore},
+};
+use uuid::Uuid;
+
+/// A handler the tests steer: it counts its runs, can be held at a gate, and can fail its next
+/// run with UNAVAILABLE.
+#[derive(Clone, Default)]
+struct Probe {
+    runs: Arc<AtomicUsize>,
+    started: Arc<Notify>,
+    gate: Option<Arc<Semaphore>>,
+    unavailable_next: Arc<AtomicBool>,
+}
+
+impl Payments for Probe {
+    async fn create_payment(
+        &self,
+        request: Request<CreatePaymentRequest>,
+    ) -> Result<Response<Payment>, Status> {
+        let run = self.runs.fetch_add(1, SeqCst) + 1;
+        self.started.notify_one();
+        if let Some(gate) = &self.gate {
+            let _permit = gate.acquire().await.unwrap();
+        }
+        if self.unavailable_next.swap(false, SeqCst) {
+            return Err(Status::unavailable("provider down, try again"));
+        }
+        let claim = request
+            .extensions()
+            .get::<IdempotencyClaim>()
+            .cloned()
+            .unwrap();
+        let new = request.into_inner();
+        if new.amount_cents <= 0 {
+            return Err(Status::invalid_argument("amount_cents must be positive"));
+        }
+        Ok(Response::new(Payment {
+            id: format!("pay_{run}"),
+            amount_cents: new.amount_cents,
+            currency: new.currency,
+            customer: new.customer,
+            charge_id: format!("ch_{run}"),
+            idempotency_key: claim.key().to_string(),
+        }))
+    }
+}
+
+/// Serves `probe` behind `layer` on a free port; returns a connected client.
+async fn serve(layer: IdempotencyLayer, probe: &Probe) -> PaymentsClient<Channel> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tonic::transport::Server::builder()
+        .layer(layer)
+        .add_service(PaymentsServer::new(probe.clone()));
+    tokio::spawn(server.serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)));
+    PaymentsClient::connect(url).await.unwrap()
+}
+
+fn create(key: &str, amount_cents: i64) -> Request<CreatePaymentRequest> {
+    let mut request = Request::new(CreatePaymentRequest {
+        amount_cents,
+        currency: "usd".into(),
+        customer: "cus_1".into(),
+    });
+    request
+        .metadata_mut()
+        .insert("idempotency-key", key.parse().unwrap());
+    request
+}
+
+/// Metadata (headers and trailers, which tonic merges for unary calls) a replay must repeat.
+fn comparable(response: &Response<Payment>) -> Vec<(String, String)> {
+    let mut pairs: Vec<_> = response
+        .metadata()
+        .clone()
+        .into_headers()
+        .iter()
+        .filter(|(name, _)| !matches!(name.as_str(), "date" | "idempotent-replayed"))
+        .map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_owned()))
+        .collect();
+    pairs.sort();
+    pairs
+}
+
+fn replayed(response: &Response<Payment>) -> bool {
+    response
+        .metadata()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+/// The whole contract, on whatever store `layer` uses.
+async fn behaves_like_http(layer: IdempotencyLayer) {
+    let probe = Probe::default();
+    let mut client = serve(layer.clone(), &probe).await;
+
+    // First call, then the replay: same message, same metadata and trailers.
+    let first = client.create_payment(create("g-1", 4900)).await.unwrap();
+    let again = client.create_payment(create("g-1", 4900)).await.unwrap();
+    assert!(!replayed(&first));
+    assert!(replayed(&again));
+    assert_eq!(again.get_ref(), first.get_ref());
+    assert_eq!(comparable(&again), comparable(&first));
+    assert!(
+        comparable(&first)
+            .iter()
+            .any(|(name, value)| name == "grpc-status" && value == "0"),
+        "the trailers were not compared: {:?}",
+        comparable(&first)
+    );
+    assert_eq!(first.get_ref().idempotency_key, "g-1");
+    assert_eq!(probe.runs.load(SeqCst), 1);
+
+    // The same key with another message: a status clients do not retry.
+    let changed = client
+        .create_payment(create("g-1", 5000))
+        .await
+        .unwrap_err();
+    assert_eq!(changed.code(), Code::FailedPrecondition, "{changed:?}");
+
+    // UNAVAILABLE leaves the key free: the retry runs the handler again.
+    probe.unavailable_next.store(true, SeqCst);
+    let unavailable = client.create_payment(create("g-2", 100)).await.unwrap_err();
+    assert_eq!(unavailable.code(), Code::Unavailable);
+    let retried = client.create_payment(create("g-2", 100)).await.unwrap();
+    assert!(!replayed(&retried));
+    assert_eq!(probe.runs.load(SeqCst), 3);
+
+    // A deterministic error is the call's final word: stored and replayed.
+    let invalid = client.create_payment(create("g-3", -1)).await.unwrap_err();
+    assert_eq!(invalid.code(), Code::InvalidArgument);
+    let invalid_again = client.create_payment(create("g-3", -1)).await.unwrap_err();
+    assert_eq!(invalid_again.code(), Code::InvalidArgument);
+    assert_eq!(invalid_again.message(), invalid.message());
+    assert_eq!(probe.runs.load(SeqCst), 4);
+
+    // Keys that are bad, or missing where required: INVALID_ARGUMENT, nothing runs.
+    let bad = client
+        .create_payment(create("has space", 100))
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument);
+    let unkeyed = client
+        .create_payment(Request::new(CreatePaymentRequest::default()))
+        .await
+        .unwrap_err();
+    assert_eq!(unkeyed.code(), Code::InvalidArgument);
+    assert_eq!(probe.runs.load(SeqCst), 4);
+
+    // A concurrent call while the first runs: a status clients retry, with a pushback hint.
+    let gated = Probe {
+        gate: Some(Arc::new(Semaphore::new(0))),
+        ..Probe::default()
+    };
+    let mut gated_client = serve(layer, &gated).await;
+    let first = tokio::spawn({
+        let mut client = gated_client.clone();
+        async move { client.create_payment(create("g-4", 700)).await }
+    });
+    gated.started.notified().await;
+    let busy = gated_client
+        .create_payment(create("g-4", 700))
+        .await
+        .unwrap_err();
+    assert_eq!(busy.code(), Code::Aborted, "{busy:?}");
+    let pushback: u64 = busy
+        .metadata()
+        .get("grpc-retry-pushback-ms")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(pushback > 0);
+    gated.gate.as_ref().unwrap().add_permits(1);
+    let first = first.await.unwrap().unwrap();
+    let replay = gated_client
+        .create_payment(create("g-4", 700))
+        .await
+        .unwrap();
+    assert!(replayed(&replay));
+    assert_eq!(replay.get_ref(), first.get_ref());
+    assert_eq!(gated.runs.load(SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_on_the_memory_store() {
+    behaves_like_http(IdempotencyLayer::new(MemoryStore::new()).require_key(true)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_on_redis_in_front_of_postgres() {
+    let schema = TestSchema::new().await;
+    let redis = RedisStore::open(&redis_url())
+        .unwrap()
+        .with_prefix(format!("test:{}:", Uuid::new_v4()));
+    let store = TieredStore::new(redis, PostgresStore::new(schema.pool.clone()));
+    behaves_like_http(
+        IdempotencyLayer::new(store)
+            .require_key(true)
+            .with_lease(Duration::from_secs(10)),
+    )
+    .await;
+    schema.drop().await;
+}
+
+#[tokio::test]
+async fn the_grpc_example_charges_once() {
+    let app = support::Proc::example("grpc_payments", &[]).await;
+    let mut client = PaymentsClient::connect(format!("http://127.0.0.1:{}", app.port))
+        .await
+        .unwrap();
+    let first = client.create_payment(create("ex-1", 4900)).await.unwrap();
+    let replay = client.create_payment(create("ex-1", 4900)).await.unwrap();
+    assert!(replayed(&replay));
+    assert_eq!(replay.get_ref(), first.get_ref());
+    assert!(first.get_ref().id.starts_with("pay_"));
+    let changed = client.create_payment(create("ex-1", 1)).await.unwrap_err();
+    assert_eq!(changed.code(), Code::FailedPrecondition);
+    let unkeyed = client
+        .create_payment(Request::new(CreatePaymentRequest::default()))
+        .await
+        .unwrap_err();
+    assert_eq!(unkeyed.code(), Code::InvalidArgument);
+}
