@@ -23,7 +23,8 @@ use http::HeaderMap;
 use http_body_util::BodyExt;
 use sqlx::PgPool;
 use support::{
-    FrozenRenewals, PgCluster, TestSchema, database_url, pool_in_schema, schema_options,
+    FrozenRenewals, PgCluster, TestSchema, acquire, claim_request, database_url, pool_in_schema,
+    schema_options,
 };
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceExt;
@@ -43,23 +44,6 @@ tower_idempotency::store_conformance_tests!(async {
     store.sweep().await.unwrap();
     store
 });
-
-fn claim_request(key: &str, lease: Duration) -> ClaimRequest {
-    let parts = http::Request::post("/x").body(()).unwrap().into_parts().0;
-    ClaimRequest::new(
-        RecordKey::new("tenant", IdempotencyKey::try_from(key).unwrap()),
-        Fingerprint::of_request(&parts, &[], b"body"),
-        Uuid::new_v4(),
-        lease,
-    )
-}
-
-async fn acquire(store: &impl Store, request: &ClaimRequest) -> Lease {
-    match store.claim(request).await.unwrap() {
-        ClaimOutcome::Acquired { fence } => request.lease_with_fence(fence),
-        other => panic!("expected to acquire, got {other:?}"),
-    }
-}
 
 fn response(status: StatusCode) -> StoredResponse {
     StoredResponse::new(status, HeaderMap::new(), Some("body".into()), None)

@@ -13,11 +13,11 @@ use std::{
 
 use axum::{Router, routing::post};
 use http::{HeaderMap, StatusCode};
-use support::{RedisServer, redis_url};
+use support::{RedisServer, claim_request, eventually, redis_url};
 use tower::ServiceExt;
 use tower_idempotency::{
-    Fingerprint, IdempotencyKey, IdempotencyLayer, StoredResponse,
-    store::{ClaimOutcome, ClaimRequest, Ownership, RecordKey, RedisStore, Store, StoreError},
+    IdempotencyLayer, StoredResponse,
+    store::{ClaimOutcome, Ownership, RedisStore, Store, StoreError},
 };
 use uuid::Uuid;
 
@@ -28,16 +28,6 @@ fn store_on(url: &str) -> RedisStore {
 }
 
 tower_idempotency::store_conformance_tests!(async { store_on(&redis_url()) });
-
-fn claim_request(key: &str, lease: Duration) -> ClaimRequest {
-    let parts = http::Request::post("/x").body(()).unwrap().into_parts().0;
-    ClaimRequest::new(
-        RecordKey::new("tenant", IdempotencyKey::try_from(key).unwrap()),
-        Fingerprint::of_request(&parts, &[], b"body"),
-        Uuid::new_v4(),
-        lease,
-    )
-}
 
 fn ok_response() -> StoredResponse {
     StoredResponse::new(StatusCode::OK, HeaderMap::new(), Some("done".into()), None)
@@ -112,26 +102,13 @@ async fn a_restarted_redis_is_reconnected() {
     assert!(down.is_err(), "a stopped Redis answered {down:?}");
 
     server.restart().await;
-    let started = Instant::now();
-    loop {
-        match store
-            .claim(&claim_request("k-after", Duration::from_secs(30)))
-            .await
-        {
-            Ok(outcome) => {
-                // The restarted server is empty: the claim is new.
-                assert!(matches!(outcome, ClaimOutcome::Acquired { .. }));
-                break;
-            }
-            Err(error) => {
-                assert!(
-                    started.elapsed() < Duration::from_secs(15),
-                    "not reconnected after 15 s: {error}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
+    let after = claim_request("k-after", Duration::from_secs(30));
+    let outcome = eventually(Duration::from_secs(15), "reconnecting", || {
+        store.claim(&after)
+    })
+    .await;
+    // The restarted server is empty: the claim is new.
+    assert!(matches!(outcome, ClaimOutcome::Acquired { .. }));
 }
 
 #[tokio::test]
@@ -163,25 +140,12 @@ async fn a_stalled_redis_times_out_within_the_bound() {
 
     server.resume();
     let lease = request.lease_with_fence(fence);
-    let started = Instant::now();
-    loop {
-        match store
-            .complete(&lease, &ok_response(), Duration::from_secs(60))
-            .await
-        {
-            Ok(ownership) => {
-                assert_eq!(ownership, Ownership::Held);
-                break;
-            }
-            Err(error) => {
-                assert!(
-                    started.elapsed() < Duration::from_secs(10),
-                    "no answer after resuming: {error}"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
+    let response = ok_response();
+    let ownership = eventually(Duration::from_secs(10), "answering after a resume", || {
+        store.complete(&lease, &response, Duration::from_secs(60))
+    })
+    .await;
+    assert_eq!(ownership, Ownership::Held);
 }
 
 #[tokio::test]

@@ -5,13 +5,12 @@ mod support;
 use std::time::{Duration, Instant};
 
 use http::{HeaderMap, StatusCode};
-use support::{RedisServer, TestSchema, database_url, pool_in_schema, redis_url};
+use support::{
+    RedisServer, TestSchema, acquire, claim_request, database_url, pool_in_schema, redis_url,
+};
 use tower_idempotency::{
-    Fingerprint, IdempotencyKey, StoredResponse,
-    store::{
-        ClaimOutcome, ClaimRequest, Lease, Ownership, PostgresStore, RecordKey, RedisStore, Store,
-        TieredStore,
-    },
+    StoredResponse,
+    store::{ClaimOutcome, ClaimRequest, Ownership, PostgresStore, RedisStore, Store, TieredStore},
 };
 use uuid::Uuid;
 
@@ -25,20 +24,7 @@ tower_idempotency::store_conformance_tests!(async {
 });
 
 fn request(key: &str) -> ClaimRequest {
-    let parts = http::Request::post("/x").body(()).unwrap().into_parts().0;
-    ClaimRequest::new(
-        RecordKey::new("tenant", IdempotencyKey::try_from(key).unwrap()),
-        Fingerprint::of_request(&parts, &[], b"body"),
-        Uuid::new_v4(),
-        Duration::from_secs(30),
-    )
-}
-
-async fn acquire(store: &impl Store, request: &ClaimRequest) -> Lease {
-    match store.claim(request).await.unwrap() {
-        ClaimOutcome::Acquired { fence } => request.lease_with_fence(fence),
-        other => panic!("expected to acquire, got {other:?}"),
-    }
+    claim_request(key, Duration::from_secs(30))
 }
 
 fn created() -> StoredResponse {

@@ -555,3 +555,46 @@ pub fn url_in_schema(url: &str, schema: &str) -> String {
     let separator = if url.contains('?') { '&' } else { '?' };
     format!("{url}{separator}options[search_path]={schema}")
 }
+
+/// A claim of `key` in scope "tenant" for a fixed request, by a fresh owner.
+pub fn claim_request(key: &str, lease: Duration) -> store::ClaimRequest {
+    let parts = http::Request::post("/x").body(()).unwrap().into_parts().0;
+    store::ClaimRequest::new(
+        store::RecordKey::new(
+            "tenant",
+            tower_idempotency::IdempotencyKey::try_from(key).unwrap(),
+        ),
+        tower_idempotency::Fingerprint::of_request(&parts, &[], b"body"),
+        uuid::Uuid::new_v4(),
+        lease,
+    )
+}
+
+/// Claims and expects to acquire; returns the lease.
+pub async fn acquire(store: &impl Store, request: &store::ClaimRequest) -> store::Lease {
+    match store.claim(request).await.unwrap() {
+        store::ClaimOutcome::Acquired { fence } => request.lease_with_fence(fence),
+        other => panic!("expected to acquire {}, got {other:?}", request.record()),
+    }
+}
+
+/// Retries `attempt` every 100 ms until it succeeds; fails the test after `within`.
+pub async fn eventually<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
+    within: Duration,
+    what: &str,
+    mut attempt: impl FnMut() -> F,
+) -> T {
+    let started = Instant::now();
+    loop {
+        match attempt().await {
+            Ok(value) => return value,
+            Err(error) => {
+                assert!(
+                    started.elapsed() < within,
+                    "{what}: still failing after {within:?}: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
