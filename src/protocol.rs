@@ -187,18 +187,11 @@ where
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
             tracing::warn!(key = %key, "handler returned a service error; releasing the key");
-            return Handled {
-                outcome: failure::<ResBody>(config, key, grpc).0,
-                answer: Some((reply, Err(error))),
-            };
+            return failed(config, key, grpc, reply, Some(error));
         }
         Err(_panic) => {
             tracing::error!(key = %key, "handler panicked; releasing the key");
-            let (outcome, problem) = failure(config, key, grpc);
-            return Handled {
-                outcome,
-                answer: Some((reply, Ok(problem))),
-            };
+            return failed(config, key, grpc, reply, None);
         }
     };
 
@@ -226,7 +219,7 @@ where
                 let data = concat(chunks);
                 let completion = config.policy.decide(&ResponseSummary {
                     status: parts.status,
-                    headers: &headers,
+                    headers: &parts.headers,
                     trailers: trailers.as_ref(),
                 });
                 let stored = StoredResponse::new(
@@ -244,20 +237,14 @@ where
                     answer: Some((reply, Ok(answer))),
                 };
             }
-            Next::Failed(_) => {
-                // Nothing reached the caller yet: it gets a clean 500 instead of a torn body.
-                let (outcome, problem) = failure(config, key, grpc);
-                return Handled {
-                    outcome,
-                    answer: Some((reply, Ok(problem))),
-                };
-            }
+            // Nothing reached the caller yet: it gets a clean 500 instead of a torn body.
+            Next::Failed(_) => return failed(config, key, grpc, reply, None),
         }
     };
 
     // Over the cache limit: stream what was read and the rest, and store the outcome bodiless.
     let (frames, receiver) = mpsc::channel::<LiveFrame>(RELAY_FRAMES);
-    let status = parts.status;
+    let (status, all_headers) = (parts.status, parts.headers.clone());
     let _ = reply.send(Ok(Response::from_parts(
         parts,
         ResponseBody::live(receiver, &hint),
@@ -295,7 +282,7 @@ where
     tracing::warn!(key = %key, bytes = len, limit = config.max_response_body, "response over the cache limit; storing the outcome without its body");
     let completion = config.policy.decide(&ResponseSummary {
         status,
-        headers: &headers,
+        headers: &all_headers,
         trailers: trailers.as_ref(),
     });
     Handled {
@@ -346,13 +333,15 @@ where
     }
 }
 
-/// The outcome of a handler that panicked or failed: a 500 problem that releases the key (and is
-/// stored if the handler had committed), and the same problem as the caller's answer.
-fn failure<B>(
+/// A handler that panicked or failed: a 500 problem that releases the key (and is stored if the
+/// handler had committed). The caller gets the service's error if there is one, else the problem.
+fn failed<B, E>(
     config: &Config,
     key: &IdempotencyKey,
     grpc: bool,
-) -> (Outcome, Response<ResponseBody<B>>) {
+    reply: Caller<B, E>,
+    error: Option<E>,
+) -> Handled<B, E> {
     config.metrics.add(|m| &m.handler_failures);
     let (parts, body) = Rejection::HandlerFailed
         .into_response(Some(key), grpc)
@@ -363,14 +352,17 @@ fn failure<B>(
         Some(body.clone()),
         None,
     );
-    let outcome = Outcome {
-        response: stored,
-        completion: Completion::Release,
+    let answer = match error {
+        Some(error) => Err(error),
+        None => Ok(Response::from_parts(parts, ResponseBody::full(body, None))),
     };
-    (
-        outcome,
-        Response::from_parts(parts, ResponseBody::full(body, None)),
-    )
+    Handled {
+        outcome: Outcome {
+            response: stored,
+            completion: Completion::Release,
+        },
+        answer: Some((reply, answer)),
+    }
 }
 
 /// Sends a frame to the caller, forgetting the caller once it has gone.

@@ -886,3 +886,35 @@ async fn the_handler_sees_its_claim() {
     assert_eq!(json["key"], "k-claim");
     assert!(json["fence"].as_u64().unwrap() > 0);
 }
+
+#[tokio::test]
+async fn the_completion_policy_sees_headers_that_are_not_stored() {
+    // Complete only responses that say they are final; never store that marker.
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_unstored_headers([http::HeaderName::from_static("x-final")])
+        .with_completion_policy(CompletionPolicy::new(|response| {
+            if response.headers.contains_key("x-final") {
+                Completion::Complete
+            } else {
+                Completion::Release
+            }
+        }));
+    let service = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(tower::service_fn(
+            |_request: Request<tower_idempotency::RequestBody<Body>>| async {
+                let mut response = Response::new(Body::from("final answer"));
+                response
+                    .headers_mut()
+                    .insert("x-final", HeaderValue::from_static("yes"));
+                Ok::<_, Infallible>(response)
+            },
+        ));
+    assert!(!send(&service, post_payment("k-final", "")).await.replayed());
+    let replay = send(&service, post_payment("k-final", "")).await;
+    assert!(replay.replayed(), "the policy did not see x-final");
+    assert!(
+        replay.headers.get("x-final").is_none(),
+        "an unstored header was replayed"
+    );
+}
