@@ -41,7 +41,8 @@ counters! {
     completions,
     /// Keys released for a clean retry.
     releases,
-    /// 409 answers to a request whose key was in flight.
+    /// 409 answers to a request whose key was in flight (or committed by an owner that died
+    /// before storing its response).
     in_flight,
     /// 422 answers to a key reused with a different request.
     mismatches,

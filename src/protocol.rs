@@ -387,7 +387,8 @@ fn concat(chunks: Vec<Bytes>) -> Bytes {
 
 /// Renews the lease every third of its length while the handler runs. Never returns.
 async fn keep_lease(config: &Config, lease: &Lease) -> Infallible {
-    let period = config.lease / 3;
+    // A zero lease would make this loop spin.
+    let period = (config.lease / 3).max(Duration::from_millis(1));
     loop {
         tokio::time::sleep(period).await;
         match config.store.renew(lease, config.lease).await {
