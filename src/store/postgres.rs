@@ -36,8 +36,10 @@ const STORE: &str = "postgres";
 /// A store on Postgres: the source of truth.
 ///
 /// One row per (scope, key), primary key on both; a claim is one atomic `INSERT … ON CONFLICT DO
-/// UPDATE … WHERE expired` statement, never a read followed by a write. Complete, release and
-/// renew are `UPDATE`/`DELETE … WHERE owner = $owner`. Every time is the database's `now()`.
+/// UPDATE … WHERE expired` statement, never a read followed by a write. The same statement
+/// answers from a live row it sees without writing, so replays and 409s cost the database no
+/// write. Complete, release and renew are `UPDATE`/`DELETE … WHERE owner = $owner`. Every time
+/// is the database's `now()`.
 /// Fences come from a sequence, so they grow across reclaims and releases alike.
 ///
 /// Handlers fence their business write with [`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit)
@@ -57,12 +59,17 @@ pub struct PostgresStore {
 }
 
 const CLAIM: &str = r"
-WITH claimed AS (
+WITH live AS (
+    SELECT * FROM idempotency_keys
+    WHERE scope = $1 AND key = $2 AND expires_at > now()
+),
+claimed AS (
     INSERT INTO idempotency_keys AS k
         (scope, key, fingerprint, state, owner, fence, lease_until, expires_at)
-    VALUES ($1, $2, $3, 'in_flight', $4, nextval('idempotency_fence'),
-            now() + $5::float8 * interval '1 millisecond',
-            now() + $5::float8 * interval '1 millisecond')
+    SELECT $1, $2, $3, 'in_flight', $4, nextval('idempotency_fence'),
+           now() + $5::float8 * interval '1 millisecond',
+           now() + $5::float8 * interval '1 millisecond'
+    WHERE NOT EXISTS (SELECT 1 FROM live)
     ON CONFLICT (scope, key) DO UPDATE SET
         fingerprint = excluded.fingerprint, state = 'in_flight', owner = excluded.owner,
         fence = excluded.fence, lease_until = excluded.lease_until,
@@ -72,17 +79,14 @@ WITH claimed AS (
     RETURNING k.fence
 )
 SELECT true AS acquired, fence, NULL::text AS state, true AS same_request,
-       NULL::bytea AS response, NULL::int8 AS remaining_ms, NULL::int8 AS expires_ms,
-       false AS expired
+       NULL::bytea AS response, NULL::int8 AS remaining_ms, NULL::int8 AS expires_ms
 FROM claimed
 UNION ALL
-SELECT false, k.fence, k.state, k.fingerprint = $3,
-       CASE WHEN k.fingerprint = $3 THEN k.response END,
-       ceil(extract(epoch FROM k.lease_until - now()) * 1000)::int8,
-       ceil(extract(epoch FROM k.expires_at - now()) * 1000)::int8,
-       k.expires_at <= now()
-FROM idempotency_keys k
-WHERE k.scope = $1 AND k.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)
+SELECT false, fence, state, fingerprint = $3,
+       CASE WHEN fingerprint = $3 THEN response END,
+       ceil(extract(epoch FROM lease_until - now()) * 1000)::int8,
+       ceil(extract(epoch FROM expires_at - now()) * 1000)::int8
+FROM live
 ";
 
 const RENEW: &str = r"
@@ -244,11 +248,13 @@ impl PostgresStore {
             // A competing claim committed after this statement's snapshot: look again.
             return Ok(None);
         };
-        read_claim(&row).map_err(|source| StoreError::Corrupt {
-            store: STORE,
-            record: record.clone(),
-            source,
-        })
+        read_claim(&row)
+            .map(Some)
+            .map_err(|source| StoreError::Corrupt {
+                store: STORE,
+                record: record.clone(),
+                source,
+            })
     }
 }
 
@@ -412,20 +418,16 @@ fn millis(duration: Duration) -> f64 {
     duration.as_millis() as f64
 }
 
-/// Reads one row of the claim statement. `Ok(None)`: the row changed under the statement.
-fn read_claim(row: &PgRow) -> Result<Option<ClaimOutcome>, super::BoxError> {
+/// Reads the row of the claim statement.
+fn read_claim(row: &PgRow) -> Result<ClaimOutcome, super::BoxError> {
     if row.try_get::<bool, _>("acquired")? {
         let fence: i64 = row.try_get("fence")?;
-        return Ok(Some(ClaimOutcome::Acquired {
+        return Ok(ClaimOutcome::Acquired {
             fence: u64::try_from(fence)?,
-        }));
-    }
-    if row.try_get::<bool, _>("expired")? {
-        // Expired, yet not ours: a competing claim took it after our snapshot.
-        return Ok(None);
+        });
     }
     if !row.try_get::<bool, _>("same_request")? {
-        return Ok(Some(ClaimOutcome::Mismatch));
+        return Ok(ClaimOutcome::Mismatch);
     }
     let millis = |column| -> Result<Duration, sqlx::Error> {
         let millis: Option<i64> = row.try_get(column)?;
@@ -435,7 +437,7 @@ fn read_claim(row: &PgRow) -> Result<Option<ClaimOutcome>, super::BoxError> {
     };
     let remaining = millis("remaining_ms")?;
     let state: String = row.try_get("state")?;
-    Ok(Some(match state.as_str() {
+    Ok(match state.as_str() {
         "completed" => {
             let response: Vec<u8> = row
                 .try_get::<Option<Vec<u8>>, _>("response")?
@@ -455,5 +457,5 @@ fn read_claim(row: &PgRow) -> Result<Option<ClaimOutcome>, super::BoxError> {
         },
         "committed" => ClaimOutcome::Orphaned,
         other => return Err(format!("unknown state {other:?}").into()),
-    }))
+    })
 }
