@@ -89,12 +89,19 @@ async fn throughput(
 }
 
 struct Row {
-    name: &'static str,
+    name: String,
     latency: Duration,
     throughput: f64,
 }
 
-async fn measure(name: &'static str, app: &Router, count: usize, replay: bool, run: &str) -> Row {
+async fn measure(
+    name: impl Into<String>,
+    app: &Router,
+    count: usize,
+    replay: bool,
+    run: &str,
+) -> Row {
+    let name = name.into();
     // Keys are visible ASCII: no spaces from the row's name.
     let prefix = format!("{run}-{}", name.replace([' ', ','], "_"));
     let key = move |i: usize| {
@@ -175,49 +182,20 @@ async fn main() {
     let redis = RedisStore::open(&redis_url)
         .unwrap()
         .with_prefix(format!("bench:{run}:"));
-    let on = |store: Arc<dyn Store>| app(Some(IdempotencyLayer::from_shared_store(store)));
-    let tiered: Arc<dyn Store> = Arc::new(TieredStore::new(redis.clone(), postgres.clone()));
-    rows.push(
-        measure(
-            "Postgres, first requests",
-            &on(Arc::new(postgres.clone())),
-            2_000,
-            false,
-            &run,
-        )
-        .await,
-    );
-    rows.push(
-        measure(
-            "Postgres, replays",
-            &on(Arc::new(postgres.clone())),
-            2_000,
-            true,
-            &run,
-        )
-        .await,
-    );
-    rows.push(
-        measure(
-            "Redis, first requests",
-            &on(Arc::new(redis.clone())),
-            2_000,
-            false,
-            &run,
-        )
-        .await,
-    );
-    rows.push(
-        measure(
-            "Redis + Postgres, first requests",
-            &on(Arc::clone(&tiered)),
-            2_000,
-            false,
-            &run,
-        )
-        .await,
-    );
-    rows.push(measure("Redis + Postgres, replays", &on(tiered), 2_000, true, &run).await);
+    let stores: [(&str, Arc<dyn Store>); 3] = [
+        ("Postgres", Arc::new(postgres.clone())),
+        ("Redis", Arc::new(redis.clone())),
+        (
+            "Redis + Postgres",
+            Arc::new(TieredStore::new(redis, postgres)),
+        ),
+    ];
+    for (name, store) in stores {
+        let app = app(Some(IdempotencyLayer::from_shared_store(store)));
+        for (what, replay) in [("first requests", false), ("replays", true)] {
+            rows.push(measure(format!("{name}, {what}"), &app, 2_000, replay, &run).await);
+        }
+    }
 
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(&admin)

@@ -56,6 +56,22 @@ impl Tally {
     }
 }
 
+impl std::fmt::Display for Tally {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} HTTP requests: {} created, {} replayed, {} x 409, {} x 503, {} attempts timed out \
+             or refused",
+            Self::get(&self.requests),
+            Self::get(&self.created),
+            Self::get(&self.replayed),
+            Self::get(&self.conflicts),
+            Self::get(&self.unavailable),
+            Self::get(&self.failed_attempts),
+        )
+    }
+}
+
 /// Delivers one payment as a careful client does: retry on 409, 503, timeouts and refused
 /// connections (moving to the next instance) until it gets its 201, first or replayed.
 async fn deliver(
@@ -147,11 +163,29 @@ async fn burst(
 #[derive(Debug)]
 struct Figures {
     keys: usize,
+    deliveries: usize,
     rows: i64,
     charges: u32,
     duplicate_rows: i64,
     duplicate_charges: u32,
     left_in_flight: i64,
+}
+
+impl std::fmt::Display for Figures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} deliveries of {} keys; executions (charges) {}, payment rows {}, duplicate commits \
+             {}, duplicate charges {}, keys left in flight {}",
+            self.deliveries,
+            self.keys,
+            self.charges,
+            self.rows,
+            self.duplicate_rows,
+            self.duplicate_charges,
+            self.left_in_flight,
+        )
+    }
 }
 
 /// Checks exactly-once at the destinations: one payment row and one charge per key, every copy
@@ -177,6 +211,7 @@ async fn exactly_once(
             .unwrap();
     let figures = Figures {
         keys: answers.len(),
+        deliveries: answers.values().map(Vec::len).sum(),
         rows: rows.len() as i64,
         charges: charges.values().sum(),
         duplicate_rows: rows_per_key.values().map(|ids| ids.len() as i64 - 1).sum(),
@@ -262,24 +297,9 @@ async fn four_instances_with_stalls_commit_each_key_exactly_once() {
     let fenced = count_lines(&instances, "stale attempt stopped by the fence");
     let leases_lost = count_lines(&instances, "lease lost");
     println!(
-        "fleet: {} deliveries of {} keys to 4 instances, {stalls} stalls of {} ms (lease {lease_ms} ms); \
-         {} HTTP requests: {} created, {} replayed, {} x 409, {} x 503, {} attempts timed out or refused; \
-         executions (charges) {}, payment rows {}, stale attempts stopped by the fence {fenced}, \
-         lease-lost finalizes {leases_lost}, duplicate commits {}, duplicate charges {}, keys left in flight {}",
-        answers.values().map(Vec::len).sum::<usize>(),
-        figures.keys,
+        "fleet: 4 instances, {stalls} stalls of {} ms (lease {lease_ms} ms); {figures}; {tally}; \
+         stale attempts stopped by the fence {fenced}, lease-lost finalizes {leases_lost}",
         2 * lease_ms,
-        Tally::get(&tally.requests),
-        Tally::get(&tally.created),
-        Tally::get(&tally.replayed),
-        Tally::get(&tally.conflicts),
-        Tally::get(&tally.unavailable),
-        Tally::get(&tally.failed_attempts),
-        figures.charges,
-        figures.rows,
-        figures.duplicate_rows,
-        figures.duplicate_charges,
-        figures.left_in_flight,
     );
     // A client whose attempt timed out on a frozen instance never saw its 201: its retry got the
     // replay. So at most one creation per key reaches a client.
@@ -305,22 +325,7 @@ async fn burst_during(name: &str, fault: impl AsyncFnOnce(&mut RedisServer)) {
     let run = burst(&urls, name, 60, 3, Duration::from_millis(2500), &tally);
     let ((), answers) = tokio::join!(fault(redis), run);
     let figures = exactly_once(&schema.pool, &provider, &answers).await;
-    println!(
-        "{name}: {} deliveries of {} keys to 3 instances; {} HTTP requests, {} created, {} replayed, \
-         {} x 409, {} x 503, {} attempts timed out or refused; executions {}, duplicate commits {}, \
-         duplicate charges {}",
-        answers.values().map(Vec::len).sum::<usize>(),
-        figures.keys,
-        Tally::get(&tally.requests),
-        Tally::get(&tally.created),
-        Tally::get(&tally.replayed),
-        Tally::get(&tally.conflicts),
-        Tally::get(&tally.unavailable),
-        Tally::get(&tally.failed_attempts),
-        figures.charges,
-        figures.duplicate_rows,
-        figures.duplicate_charges,
-    );
+    println!("{name}: 3 instances; {figures}; {tally}");
     assert_eq!(
         Tally::get(&tally.unavailable),
         0,

@@ -41,6 +41,14 @@ async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
         .unwrap()
 }
 
+async fn flush_scripts(admin: &mut redis::aio::MultiplexedConnection) {
+    let () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(admin)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn script_flush_between_calls_changes_nothing() {
     let server = RedisServer::start().await;
@@ -51,21 +59,13 @@ async fn script_flush_between_calls_changes_nothing() {
     let ClaimOutcome::Acquired { fence } = store.claim(&request).await.unwrap() else {
         panic!("not acquired");
     };
-    let () = redis::cmd("SCRIPT")
-        .arg("FLUSH")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
+    flush_scripts(&mut admin).await;
     let lease = request.lease_with_fence(fence);
     assert_eq!(
         store.renew(&lease, Duration::from_secs(30)).await.unwrap(),
         Ownership::Held
     );
-    let () = redis::cmd("SCRIPT")
-        .arg("FLUSH")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
+    flush_scripts(&mut admin).await;
     assert_eq!(
         store
             .complete(&lease, &ok_response(), Duration::from_secs(60))
@@ -73,11 +73,7 @@ async fn script_flush_between_calls_changes_nothing() {
             .unwrap(),
         Ownership::Held
     );
-    let () = redis::cmd("SCRIPT")
-        .arg("FLUSH")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
+    flush_scripts(&mut admin).await;
     match store.claim(&request).await.unwrap() {
         ClaimOutcome::Completed { response, .. } => assert_eq!(*response, ok_response()),
         other => panic!("expected a replay, got {other:?}"),
