@@ -98,7 +98,6 @@
     unreachable_pub,
     rust_2018_idioms
 )]
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 mod body;
 mod claim;
