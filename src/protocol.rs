@@ -3,6 +3,7 @@
 use std::{
     convert::Infallible,
     future::Future,
+    ops::ControlFlow,
     panic::AssertUnwindSafe,
     pin::{Pin, pin},
     sync::Arc,
@@ -62,13 +63,11 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     ResBody::Error: Into<BoxError>,
 {
     let grpc = is_grpc(request.headers());
-    let answer = |rejection| Ok(respond(&config, rejection, Some(&key), grpc));
-
     let (parts, body) = request.into_parts();
     let body = match read_body(body, config.max_request_body).await {
         Ok(body) => body,
         Err(rejection) => {
-            let _ = reply.send(answer(rejection));
+            let _ = reply.send(Ok(respond(&config, rejection, Some(&key), grpc)));
             return;
         }
     };
@@ -78,39 +77,11 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
         Uuid::new_v4(),
         config.lease,
     );
-    let fence = match config.store.claim(&claim).await {
-        Ok(ClaimOutcome::Acquired { fence }) => fence,
-        Ok(ClaimOutcome::Completed {
-            response: stored, ..
-        }) => {
-            tracing::debug!(record = %claim.record(), "replaying stored response");
-            let _ = reply.send(match stored.body() {
-                Some(_) => {
-                    config.metrics.add(|m| &m.replays);
-                    Ok(replay(*stored))
-                }
-                None => answer(Rejection::ResponseNotStored {
-                    status: stored.status(),
-                }),
-            });
-            return;
-        }
-        Ok(ClaimOutcome::InFlight { retry_after }) => {
-            let _ = reply.send(answer(Rejection::InFlight { retry_after }));
-            return;
-        }
-        Ok(ClaimOutcome::Mismatch) => {
-            let _ = reply.send(answer(Rejection::Mismatch));
-            return;
-        }
-        Ok(ClaimOutcome::Orphaned) => {
-            tracing::warn!(record = %claim.record(), "key committed but its response was lost");
-            let _ = reply.send(answer(Rejection::OutcomeUnknown));
-            return;
-        }
-        Err(error) => {
-            tracing::error!(record = %claim.record(), error = %Chain(&error), "claim failed; handler not run");
-            let _ = reply.send(answer(Rejection::StoreUnavailable));
+    let outcome = config.store.claim(&claim).await;
+    let fence = match fence_or_answer(&config, claim.record(), outcome, grpc) {
+        ControlFlow::Continue(fence) => fence,
+        ControlFlow::Break(answer) => {
+            let _ = reply.send(Ok(answer));
             return;
         }
     };
@@ -137,6 +108,38 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     if let Some((reply, answer)) = handled.answer {
         let _ = reply.send(answer);
     }
+}
+
+/// The fence of an acquired claim, or the answer that replaces running the handler: a replay,
+/// or why not.
+fn fence_or_answer<B>(
+    config: &Config,
+    record: &RecordKey,
+    outcome: Result<ClaimOutcome, StoreError>,
+    grpc: bool,
+) -> ControlFlow<Response<ResponseBody<B>>, u64> {
+    let rejection = match outcome {
+        Ok(ClaimOutcome::Acquired { fence }) => return ControlFlow::Continue(fence),
+        Ok(ClaimOutcome::Completed { response, .. }) if response.body().is_some() => {
+            tracing::debug!(record = %record, "replaying stored response");
+            config.metrics.add(|m| &m.replays);
+            return ControlFlow::Break(replay(*response));
+        }
+        Ok(ClaimOutcome::Completed { response, .. }) => Rejection::ResponseNotStored {
+            status: response.status(),
+        },
+        Ok(ClaimOutcome::InFlight { retry_after }) => Rejection::InFlight { retry_after },
+        Ok(ClaimOutcome::Mismatch) => Rejection::Mismatch,
+        Ok(ClaimOutcome::Orphaned) => {
+            tracing::warn!(record = %record, "key committed but its response was lost");
+            Rejection::OutcomeUnknown
+        }
+        Err(error) => {
+            tracing::error!(record = %record, error = %Chain(&error), "claim failed; handler not run");
+            Rejection::StoreUnavailable
+        }
+    };
+    ControlFlow::Break(respond(config, rejection, Some(record.key()), grpc))
 }
 
 /// Buffers a guarded request body, up to `limit` bytes.
