@@ -98,7 +98,7 @@ impl IdempotencyClaim {
 
 #[cfg(feature = "axum")]
 mod extract {
-    use axum_core::{
+    use axum::{
         extract::{FromRequestParts, OptionalFromRequestParts},
         response::{IntoResponse, Response},
     };

@@ -2,48 +2,34 @@
 
 use std::fmt;
 
+use bytes::Bytes;
 use http::{HeaderName, request::Parts};
 use sha2::{Digest, Sha256};
 
-/// A SHA-256 digest of a request's method, path and query, configured headers and body.
+/// A SHA-256 digest of a request's method, path and query, `Content-Type`, configured headers
+/// and body.
 ///
 /// A retry must carry the same fingerprint as the request that first used its key; a different
-/// one is answered with 422 and never reaches the handler. Every part is length-prefixed before
-/// hashing, so moving bytes from one part to another changes the digest.
+/// one is answered with 422 and never reaches the handler. Every part before the body is
+/// length-prefixed, so moving bytes from one part to another changes the digest.
+///
+/// The path is the one the client sent: under axum (feature `axum`), a router nested with
+/// `Router::nest` strips its prefix before the layer sees the request, so the layer reads axum's
+/// `OriginalUri` when it is there, and `/v1/payments` and `/v2/payments` stay different
+/// requests.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
     /// Digests a request head and its buffered body.
     ///
-    /// `headers` names the request headers that take part (in this order); every value of each
-    /// counts, and a header that is absent counts as absent, not as empty.
+    /// `headers` names the request headers that take part besides `Content-Type` (in this
+    /// order); every value of each counts, and a header that is absent counts as absent, not as
+    /// empty.
     pub fn of_request(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Self {
-        let mut digest = Sha256::new();
-        let mut field = |bytes: &[u8]| {
-            digest.update((bytes.len() as u64).to_be_bytes());
-            digest.update(bytes);
-        };
-        // A version tag, so a future change of this layout cannot match an old digest.
-        field(b"tower-idempotency/fingerprint/v1");
-        field(parts.method.as_str().as_bytes());
-        field(
-            parts
-                .uri
-                .path_and_query()
-                .map_or("/", |pq| pq.as_str())
-                .as_bytes(),
-        );
-        for name in headers {
-            field(name.as_str().as_bytes());
-            let values = parts.headers.get_all(name);
-            field(&(values.iter().count() as u64).to_be_bytes());
-            for value in values {
-                field(value.as_bytes());
-            }
-        }
-        field(body);
-        Self(digest.finalize().into())
+        let mut hasher = FingerprintHasher::new(parts, headers);
+        hasher.update(body);
+        hasher.finish()
     }
 
     /// Wraps a digest read back from a store.
@@ -55,6 +41,68 @@ impl Fingerprint {
     pub const fn as_bytes(&self) -> &[u8; 32] {
         &self.0
     }
+}
+
+/// A fingerprint in the making: the head first, then the body as it arrives.
+pub(crate) struct FingerprintHasher {
+    digest: Sha256,
+    body_len: u64,
+}
+
+impl FingerprintHasher {
+    pub(crate) fn new(parts: &Parts, headers: &[HeaderName]) -> Self {
+        let mut digest = Sha256::new();
+        let mut field = |bytes: &[u8]| {
+            digest.update((bytes.len() as u64).to_be_bytes());
+            digest.update(bytes);
+        };
+        // A version tag, so a future change of this layout cannot match an old digest.
+        field(b"tower-idempotency/fingerprint/v2");
+        field(parts.method.as_str().as_bytes());
+        field(original_path_and_query(parts).as_bytes());
+        let content_type = http::header::CONTENT_TYPE;
+        let configured = headers.iter().filter(|name| **name != content_type);
+        for name in std::iter::once(&content_type).chain(configured) {
+            field(name.as_str().as_bytes());
+            let values = parts.headers.get_all(name);
+            field(&(values.iter().count() as u64).to_be_bytes());
+            for value in values {
+                field(value.as_bytes());
+            }
+        }
+        Self {
+            digest,
+            body_len: 0,
+        }
+    }
+
+    /// Adds body bytes. The body is the last part, so it needs no prefix; its length closes
+    /// the digest.
+    pub(crate) fn update(&mut self, chunk: &[u8]) {
+        self.digest.update(chunk);
+        self.body_len += chunk.len() as u64;
+    }
+
+    pub(crate) fn finish(mut self) -> Fingerprint {
+        self.digest.update(self.body_len.to_be_bytes());
+        Fingerprint(self.digest.finalize().into())
+    }
+}
+
+/// A hook that decides what of the body takes part in the fingerprint; see
+/// [`IdempotencyLayer::with_fingerprint_body`](crate::IdempotencyLayer::with_fingerprint_body).
+pub(crate) type BodyFingerprintFn = dyn Fn(&Parts, &Bytes) -> Bytes + Send + Sync;
+
+/// The path and query the client sent, before any router stripped a prefix from it.
+pub(crate) fn original_path_and_query(parts: &Parts) -> &str {
+    #[cfg(feature = "axum")]
+    let uri = parts
+        .extensions
+        .get::<axum::extract::OriginalUri>()
+        .map_or(&parts.uri, |original| &original.0);
+    #[cfg(not(feature = "axum"))]
+    let uri = &parts.uri;
+    uri.path_and_query().map_or("/", |pq| pq.as_str())
 }
 
 impl fmt::Debug for Fingerprint {
@@ -117,6 +165,33 @@ mod tests {
             Fingerprint::of_request(&absent, &tenant, b""),
             Fingerprint::of_request(&empty, &tenant, b"")
         );
+    }
+
+    #[test]
+    fn content_type_always_counts() {
+        let json = parts("POST", "/", &[("content-type", "application/json")]);
+        let form = parts(
+            "POST",
+            "/",
+            &[("content-type", "application/x-www-form-urlencoded")],
+        );
+        let none = parts("POST", "/", &[]);
+        let json_fp = Fingerprint::of_request(&json, &[], b"a=1");
+        assert_ne!(json_fp, Fingerprint::of_request(&form, &[], b"a=1"));
+        assert_ne!(json_fp, Fingerprint::of_request(&none, &[], b"a=1"));
+        // Naming it again changes nothing.
+        let named = [http::header::CONTENT_TYPE];
+        assert_eq!(json_fp, Fingerprint::of_request(&json, &named, b"a=1"));
+    }
+
+    #[test]
+    fn a_body_hashed_in_chunks_is_the_same_body() {
+        let p = parts("POST", "/", &[]);
+        let mut hasher = FingerprintHasher::new(&p, &[]);
+        for chunk in [&b"hel"[..], b"", b"lo"] {
+            hasher.update(chunk);
+        }
+        assert_eq!(hasher.finish(), Fingerprint::of_request(&p, &[], b"hello"));
     }
 
     #[test]

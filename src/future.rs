@@ -72,11 +72,10 @@ where
             KindProj::Spawned { reply } => Poll::Ready(match ready!(Pin::new(reply).poll(cx)) {
                 Ok(reply) => reply,
                 // The task ended without an answer: the runtime is shutting down.
-                Err(_) => Ok(crate::protocol::reject(
-                    Rejection::HandlerFailed,
-                    None,
-                    false,
-                )),
+                Err(_) => Ok(Rejection::HandlerFailed
+                    .problem(None)
+                    .to_response()
+                    .map(|body| ResponseBody::full(body, None))),
             }),
             KindProj::Ready { response } => Poll::Ready(Ok(response
                 .take()

@@ -20,21 +20,34 @@ pub struct IdempotencyKey(String);
 impl IdempotencyKey {
     /// Parses one header value.
     ///
+    /// The value is an RFC 8941 item: a string (`"order-42"`) or, as most clients send it, a bare
+    /// token (`order-42`), either of them optionally followed by parameters (`;x=1`), which are
+    /// ignored as RFC 8941 says. A comma outside a string makes the value a list: that is what a
+    /// proxy makes of a repeated header, and it is refused as [`KeyError::Repeated`].
+    ///
     /// ```
-    /// use tower_idempotency::IdempotencyKey;
+    /// use tower_idempotency::{IdempotencyKey, KeyError};
     ///
     /// let quoted = IdempotencyKey::parse(br#""order-42""#).unwrap();
-    /// let bare = IdempotencyKey::parse(b"order-42").unwrap();
-    /// assert_eq!(quoted, bare);
+    /// assert_eq!(IdempotencyKey::parse(b"order-42").unwrap(), quoted);
+    /// assert_eq!(IdempotencyKey::parse(br#""order-42";v=1"#).unwrap(), quoted);
+    /// assert_eq!(IdempotencyKey::parse(b"k1, k2"), Err(KeyError::Repeated));
     /// assert!(IdempotencyKey::parse(b"").is_err());
     /// ```
     pub fn parse(value: &[u8]) -> Result<Self, KeyError> {
         // RFC 8941 parsers discard surrounding spaces; HTTP stacks usually have already.
         let value = value.trim_ascii();
-        let key = match value {
+        let (key, rest) = match value {
             [b'"', rest @ ..] => unquote(rest)?,
-            _ => value.to_vec(),
+            _ => {
+                let end = value
+                    .iter()
+                    .position(|&b| b == b';' || b == b',')
+                    .unwrap_or(value.len());
+                (value[..end].to_vec(), &value[end..])
+            }
         };
+        parameters(rest)?;
         if key.is_empty() {
             return Err(KeyError::Empty);
         }
@@ -47,10 +60,10 @@ impl IdempotencyKey {
         Ok(Self(key.into_iter().map(char::from).collect()))
     }
 
-    /// Reads the key from request headers: `Ok(None)` when there is none, an error when the value
-    /// is invalid or the header is repeated.
-    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, KeyError> {
-        let mut values = headers.get_all(&IDEMPOTENCY_KEY).iter();
+    /// Reads the key from the request header `name`: `Ok(None)` when there is none, an error when
+    /// the value is invalid or the header is repeated (as separate lines or joined by commas).
+    pub fn from_headers(headers: &HeaderMap, name: &HeaderName) -> Result<Option<Self>, KeyError> {
+        let mut values = headers.get_all(name).iter();
         let Some(first) = values.next() else {
             return Ok(None);
         };
@@ -96,8 +109,8 @@ impl TryFrom<&str> for IdempotencyKey {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum KeyError {
-    /// The header was sent more than once.
-    #[error("the Idempotency-Key header is repeated; send exactly one")]
+    /// The header was sent more than once, or holds a list (values joined by commas).
+    #[error("the idempotency key header is repeated or holds a list; send exactly one key")]
     Repeated,
     /// The key is empty.
     #[error("the idempotency key is empty")]
@@ -116,17 +129,18 @@ pub enum KeyError {
         /// The first offending byte.
         byte: u8,
     },
-    /// A value starting with `"` is not a well-formed RFC 8941 string.
-    #[error("the idempotency key is not a well-formed structured-field string: {reason}")]
-    MalformedString {
+    /// The value is not a well-formed RFC 8941 item: a broken string or broken parameters.
+    #[error("the idempotency key is not a well-formed structured-field item: {reason}")]
+    Malformed {
         /// What is wrong with it.
         reason: &'static str,
     },
 }
 
-/// Parses the rest of an RFC 8941 sf-string after its opening quote (section 4.2.5).
-fn unquote(rest: &[u8]) -> Result<Vec<u8>, KeyError> {
-    let malformed = |reason| KeyError::MalformedString { reason };
+/// Parses the rest of an RFC 8941 sf-string after its opening quote (section 4.2.5); returns
+/// the string and what follows its closing quote.
+fn unquote(rest: &[u8]) -> Result<(Vec<u8>, &[u8]), KeyError> {
+    let malformed = |reason| KeyError::Malformed { reason };
     let mut out = Vec::with_capacity(rest.len());
     let mut bytes = rest.iter();
     while let Some(&b) = bytes.next() {
@@ -135,18 +149,58 @@ fn unquote(rest: &[u8]) -> Result<Vec<u8>, KeyError> {
                 Some(&escaped @ (b'"' | b'\\')) => out.push(escaped),
                 _ => return Err(malformed("a backslash must escape '\"' or '\\'")),
             },
-            b'"' => {
-                return if bytes.as_slice().is_empty() {
-                    Ok(out)
-                } else {
-                    Err(malformed("characters follow the closing quote"))
-                };
-            }
+            b'"' => return Ok((out, bytes.as_slice())),
             0x20..=0x7e => out.push(b),
             _ => return Err(malformed("only printable ASCII may appear inside quotes")),
         }
     }
     Err(malformed("the closing quote is missing"))
+}
+
+/// Checks what follows the item: RFC 8941 parameters (`;key` or `;key=value`), ignored once
+/// well-formed. A comma means a list: a repeated header.
+fn parameters(mut rest: &[u8]) -> Result<(), KeyError> {
+    let malformed = |reason| KeyError::Malformed { reason };
+    loop {
+        match rest {
+            [] => return Ok(()),
+            [b',', ..] => return Err(KeyError::Repeated),
+            [b';', tail @ ..] => rest = tail.trim_ascii_start(),
+            _ => {
+                return Err(malformed(
+                    "only parameters (;name=value) may follow the key",
+                ));
+            }
+        }
+        // param-key = ( lcalpha / "*" ) *( lcalpha / DIGIT / "_" / "-" / "." / "*" )
+        let name_len = rest
+            .iter()
+            .position(|b| !matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'.' | b'*'))
+            .unwrap_or(rest.len());
+        if name_len == 0 || !matches!(rest[0], b'a'..=b'z' | b'*') {
+            return Err(malformed(
+                "a parameter name must start with a lowercase letter or '*'",
+            ));
+        }
+        rest = &rest[name_len..];
+        if let [b'=', value @ ..] = rest {
+            rest = match value {
+                [b'"', string @ ..] => unquote(string)?.1,
+                _ => {
+                    // Any other bare item (token, number, byte sequence, boolean): its extent
+                    // is enough, since parameters are ignored.
+                    let len = value
+                        .iter()
+                        .position(|&b| b == b';' || b == b',' || !b.is_ascii_graphic())
+                        .unwrap_or(value.len());
+                    if len == 0 {
+                        return Err(malformed("a parameter value is empty"));
+                    }
+                    &value[len..]
+                }
+            };
+        }
+    }
 }
 
 #[cfg(test)]
@@ -202,34 +256,74 @@ mod tests {
             &br#""abc"#[..],
             br#""abc"def"#,
             br#""a\nb""#,
-            br#""abc", "def""#,
             b"\"a\x01\"",
+            br#""abc";"#,
+            br#""abc";X=1"#,
+            br#""abc";x="#,
+            br#""abc";x="1"#,
+            b"abc;1=2",
         ] {
             assert!(
-                matches!(
-                    IdempotencyKey::parse(bad),
-                    Err(KeyError::MalformedString { .. })
-                ),
+                matches!(IdempotencyKey::parse(bad), Err(KeyError::Malformed { .. })),
                 "{bad:?} was accepted"
             );
         }
     }
 
     #[test]
-    fn headers_missing_single_and_repeated() {
-        let mut headers = HeaderMap::new();
-        assert_eq!(IdempotencyKey::from_headers(&headers), Ok(None));
-        headers.insert(&IDEMPOTENCY_KEY, HeaderValue::from_static("k1"));
+    fn parameters_are_ignored_on_both_forms() {
+        let key = IdempotencyKey::parse(b"abc").unwrap();
+        for same in [
+            &br#""abc";x=1"#[..],
+            b"abc;x=1",
+            br#""abc";x="a;b,c";y"#,
+            b"abc; x=?1;y=:AQ==:;z=1.5",
+            b"abc;*x=tok/en",
+        ] {
+            assert_eq!(IdempotencyKey::parse(same).as_ref(), Ok(&key), "{same:?}");
+        }
+    }
+
+    #[test]
+    fn lists_are_repeated_headers() {
+        for list in [
+            &b"k1,k2"[..],
+            b"k1, k2",
+            br#""k1", "k2""#,
+            b"k1;x=1,k2",
+            b"k1,",
+        ] {
+            assert_eq!(
+                IdempotencyKey::parse(list),
+                Err(KeyError::Repeated),
+                "{list:?}"
+            );
+        }
+        // A comma inside a string is part of the key.
         assert_eq!(
-            IdempotencyKey::from_headers(&headers)
+            IdempotencyKey::parse(br#""k1,k2""#).unwrap().as_str(),
+            "k1,k2"
+        );
+    }
+
+    #[test]
+    fn headers_missing_single_and_repeated() {
+        let name = &IDEMPOTENCY_KEY;
+        let mut headers = HeaderMap::new();
+        assert_eq!(IdempotencyKey::from_headers(&headers, name), Ok(None));
+        headers.insert(name, HeaderValue::from_static("k1"));
+        assert_eq!(
+            IdempotencyKey::from_headers(&headers, name)
                 .unwrap()
                 .unwrap()
                 .as_str(),
             "k1"
         );
-        headers.append(&IDEMPOTENCY_KEY, HeaderValue::from_static("k1"));
+        let legacy = HeaderName::from_static("x-idempotency-key");
+        assert_eq!(IdempotencyKey::from_headers(&headers, &legacy), Ok(None));
+        headers.append(name, HeaderValue::from_static("k1"));
         assert_eq!(
-            IdempotencyKey::from_headers(&headers),
+            IdempotencyKey::from_headers(&headers, name),
             Err(KeyError::Repeated)
         );
     }

@@ -2,10 +2,14 @@
 
 use std::{fmt, sync::Arc, time::Duration};
 
+use bytes::Bytes;
 use http::{HeaderName, Method, header, request::Parts};
 use tower_layer::Layer;
 
-use crate::{CompletionPolicy, Idempotency, Metrics, store::Store};
+use crate::{
+    CompletionPolicy, Idempotency, Metrics, fingerprint::BodyFingerprintFn, problem::Problem,
+    scope, store::Store,
+};
 
 /// Applies [`Idempotency`] to a service. Build it once, with a store, and add it like any layer.
 ///
@@ -13,11 +17,13 @@ use crate::{CompletionPolicy, Idempotency, Metrics, store::Store};
 /// use std::time::Duration;
 /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
 ///
+/// #[derive(Clone)]
+/// struct Tenant(String); // set by an authentication layer installed outside this one
+///
 /// let layer = IdempotencyLayer::new(MemoryStore::new())
 ///     .require_key(true)
-///     .with_scope(|parts| {
-///         parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned()
-///     })
+///     // No tenant means no scope: the request is refused, never put in a shared scope.
+///     .with_scope(|parts| parts.extensions.get::<Tenant>().map(|t| t.0.clone()))
 ///     .with_lease(Duration::from_secs(10));
 /// ```
 #[derive(Clone)]
@@ -31,22 +37,37 @@ pub struct IdempotencyLayer {
 pub(crate) struct Config {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) methods: Vec<Method>,
+    pub(crate) header: HeaderName,
     pub(crate) require_key: bool,
-    pub(crate) scope: Option<Arc<ScopeFn>>,
+    pub(crate) scope: Arc<ScopeFn>,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) fingerprint_body: Option<Arc<BodyFingerprintFn>>,
     pub(crate) max_request_body: usize,
+    pub(crate) request_body_timeout: Duration,
     pub(crate) max_response_body: usize,
     pub(crate) lease: Duration,
     pub(crate) retention: Duration,
     pub(crate) policy: CompletionPolicy,
     pub(crate) unstored_headers: Vec<HeaderName>,
+    pub(crate) problem_response: Option<Arc<ProblemFn>>,
     pub(crate) metrics: Arc<Metrics>,
+    pub(crate) shared: Arc<Shared>,
 }
 
-type ScopeFn = dyn Fn(&Parts) -> String + Send + Sync;
+/// What the services of one layer learn at run time and share.
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    /// Whether the warning about a timeout layer inside this one was logged.
+    pub(crate) warned_inner_timeout: std::sync::atomic::AtomicBool,
+}
+
+type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type ProblemFn = dyn Fn(&Problem) -> http::Response<Bytes> + Send + Sync;
 
 /// Default limit of a guarded request body: 1 MiB.
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
+/// Default time a guarded request body may take to arrive: 30 s.
+pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default limit of a response body kept for replay: 1 MiB.
 pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
 /// Default lease: how long a claim survives its instance without renewal.
@@ -67,11 +88,27 @@ const HOP_BY_HOP: [&str; 9] = [
     "upgrade",
 ];
 
+/// Response headers that describe one exchange rather than the outcome, not stored by default.
+fn per_exchange_headers() -> Vec<HeaderName> {
+    vec![
+        header::DATE,
+        header::SET_COOKIE,
+        HeaderName::from_static("x-request-id"),
+        HeaderName::from_static("request-id"),
+        HeaderName::from_static("traceparent"),
+        HeaderName::from_static("tracestate"),
+        HeaderName::from_static("server-timing"),
+    ]
+}
+
 impl IdempotencyLayer {
-    /// A layer on `store`, with the defaults: guards POST and PATCH; a missing key passes through;
-    /// one global scope; fingerprint of method, path, query and body; 1 MiB request and cached
-    /// response limits; a 30 s lease renewed while the handler runs; 24 h retention; the default
-    /// [`CompletionPolicy`]; `Date` and `Set-Cookie` not stored.
+    /// A layer on `store`, with the defaults: guards POST and PATCH; reads the key from
+    /// `Idempotency-Key`; a missing key passes through; keys are scoped by the caller's
+    /// credentials ([`scope::by_credentials`]); the fingerprint covers method, path, query,
+    /// `Content-Type` and body; 1 MiB request and cached response limits; the request body must
+    /// arrive within 30 s; a 30 s lease renewed while the handler runs; 24 h retention; the
+    /// default [`CompletionPolicy`]; per-exchange headers (`Date`, `Set-Cookie`, request ids,
+    /// trace context) not stored; problems rendered as `application/problem+json`.
     pub fn new(store: impl Store) -> Self {
         Self::from_shared_store(Arc::new(store))
     }
@@ -82,16 +119,21 @@ impl IdempotencyLayer {
             config: Config {
                 store,
                 methods: vec![Method::POST, Method::PATCH],
+                header: crate::IDEMPOTENCY_KEY.clone(),
                 require_key: false,
-                scope: None,
+                scope: Arc::new(scope::by_credentials),
                 fingerprint_headers: Vec::new(),
+                fingerprint_body: None,
                 max_request_body: DEFAULT_MAX_REQUEST_BODY,
+                request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
                 max_response_body: DEFAULT_MAX_RESPONSE_BODY,
                 lease: DEFAULT_LEASE,
                 retention: DEFAULT_RETENTION,
                 policy: CompletionPolicy::default(),
-                unstored_headers: vec![header::DATE, header::SET_COOKIE],
+                unstored_headers: per_exchange_headers(),
+                problem_response: None,
                 metrics: Arc::default(),
+                shared: Arc::default(),
             },
         }
     }
@@ -102,23 +144,43 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Whether a guarded request without an `Idempotency-Key` is refused with 400 (`true`) or
-    /// passed through without protection (`false`, the default).
+    /// The request header that carries the key (`Idempotency-Key` by default), for clients that
+    /// send another one, such as `X-Idempotency-Key`.
+    pub fn with_header(mut self, name: HeaderName) -> Self {
+        self.config.header = name;
+        self
+    }
+
+    /// Whether a guarded request without a key is refused with 400 (`true`) or passed through
+    /// without protection (`false`, the default).
     pub fn require_key(mut self, required: bool) -> Self {
         self.config.require_key = required;
         self
     }
 
-    /// The scope of a request's key: typically the tenant, account or authenticated subject, read
-    /// from headers or from extensions an authentication layer (installed outside this one) set.
-    /// Keys in different scopes never see each other. Without it, every key shares one scope.
-    pub fn with_scope(mut self, scope: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
-        self.config.scope = Some(Arc::new(scope));
+    /// The scope of a request's key: keys in different scopes never see each other's records or
+    /// responses. Typically the tenant, account or authenticated subject, read from the request
+    /// extensions an authentication layer set.
+    ///
+    /// Returning `None` refuses the request with a 500 problem ([`NO_SCOPE`](crate::problem::NO_SCOPE))
+    /// before anything is claimed: a request that cannot be attributed to a caller never falls
+    /// back to a scope shared with others. The usual cause is layer order: the authentication
+    /// layer must sit **outside** (be added after) the idempotency layer, so that it has run
+    /// when the scope is read.
+    ///
+    /// The default, [`scope::by_credentials`], keeps callers with different `Authorization`
+    /// headers apart. Return a constant (`|_| Some(String::new())`) for one scope shared by
+    /// every caller.
+    pub fn with_scope(
+        mut self,
+        scope: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.config.scope = Arc::new(scope);
         self
     }
 
-    /// Request headers that take part in the fingerprint, besides method, path, query and body
-    /// (say `content-type`, or a header that selects an API version).
+    /// Request headers that take part in the fingerprint, besides method, path, query,
+    /// `Content-Type` and body (say a header that selects an API version).
     pub fn with_fingerprint_headers(
         mut self,
         headers: impl IntoIterator<Item = HeaderName>,
@@ -127,10 +189,49 @@ impl IdempotencyLayer {
         self
     }
 
+    /// What of the body takes part in the fingerprint: the function gets the request head and
+    /// the whole buffered body and returns the bytes that stand for it. Use it to canonicalize
+    /// (JSON key order, whitespace) or to leave out fields that change between retries of one
+    /// request (a client timestamp). The handler still receives the body as sent.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // JSON bodies count by their content, not their spelling; anything else as sent.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_fingerprint_body(|_, body| {
+    ///     match serde_json::from_slice::<serde_json::Value>(body) {
+    ///         Ok(mut json) => {
+    ///             if let Some(fields) = json.as_object_mut() {
+    ///                 fields.remove("sent_at");
+    ///             }
+    ///             Bytes::from(json.to_string()) // serde_json sorts object keys
+    ///         }
+    ///         Err(_) => body.clone(),
+    ///     }
+    /// });
+    /// ```
+    ///
+    /// Without it, the body is hashed as it arrives and never copied for the fingerprint.
+    pub fn with_fingerprint_body(
+        mut self,
+        body: impl Fn(&Parts, &Bytes) -> Bytes + Send + Sync + 'static,
+    ) -> Self {
+        self.config.fingerprint_body = Some(Arc::new(body));
+        self
+    }
+
     /// The largest guarded request body buffered for the fingerprint; larger ones get 413 and
     /// never reach the handler.
     pub fn with_max_request_body(mut self, bytes: usize) -> Self {
         self.config.max_request_body = bytes;
+        self
+    }
+
+    /// How long a guarded request body may take to arrive (30 s by default); a slower one gets a
+    /// 408 problem and never reaches the handler. Bounds the memory a stalled upload holds.
+    pub fn with_request_body_timeout(mut self, timeout: Duration) -> Self {
+        self.config.request_body_timeout = timeout;
         self
     }
 
@@ -162,9 +263,39 @@ impl IdempotencyLayer {
     }
 
     /// Response headers never stored nor replayed, besides the hop-by-hop ones (which never are).
-    /// Replaces the default, `Date` and `Set-Cookie`: a replay should not re-send a session.
+    /// Replaces the default: `Date`, `Set-Cookie` (a replay must not re-send a session),
+    /// `X-Request-Id`, `Request-Id`, `Traceparent`, `Tracestate` and `Server-Timing` (they
+    /// describe the first exchange, not the outcome).
     pub fn with_unstored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config.unstored_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// Renders the layer's own answers to HTTP callers (gRPC callers always get a status):
+    /// an application's error envelope instead of `application/problem+json`.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_problem_response(|problem| {
+    ///     let body = serde_json::json!({
+    ///         "error": { "code": problem.type_uri(), "message": problem.detail() }
+    ///     });
+    ///     // Start from the default to keep its status, Retry-After and replay marker.
+    ///     let mut response = problem.to_response();
+    ///     *response.body_mut() = Bytes::from(body.to_string());
+    ///     response
+    ///         .headers_mut()
+    ///         .insert("content-type", "application/json".parse().unwrap());
+    ///     response
+    /// });
+    /// ```
+    pub fn with_problem_response(
+        mut self,
+        render: impl Fn(&Problem) -> http::Response<Bytes> + Send + Sync + 'static,
+    ) -> Self {
+        self.config.problem_response = Some(Arc::new(render));
         self
     }
 
@@ -175,12 +306,6 @@ impl IdempotencyLayer {
 }
 
 impl Config {
-    pub(crate) fn scope_of(&self, parts: &Parts) -> String {
-        self.scope
-            .as_ref()
-            .map_or_else(String::new, |scope| scope(parts))
-    }
-
     pub(crate) fn stores_header(&self, name: &HeaderName) -> bool {
         !HOP_BY_HOP.contains(&name.as_str()) && !self.unstored_headers.contains(name)
     }
@@ -198,10 +323,11 @@ impl fmt::Debug for IdempotencyLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
             .field("methods", &self.config.methods)
+            .field("header", &self.config.header)
             .field("require_key", &self.config.require_key)
-            .field("scoped", &self.config.scope.is_some())
             .field("fingerprint_headers", &self.config.fingerprint_headers)
             .field("max_request_body", &self.config.max_request_body)
+            .field("request_body_timeout", &self.config.request_body_timeout)
             .field("max_response_body", &self.config.max_response_body)
             .field("lease", &self.config.lease)
             .field("retention", &self.config.retention)

@@ -12,9 +12,10 @@
 //!
 //! # async fn run() {
 //! // MemoryStore is for tests and one process only; use the Redis/Postgres stores in production.
+//! let idempotency = IdempotencyLayer::new(MemoryStore::new()).require_key(true);
 //! let app: Router = Router::new()
-//!     .route("/payments", post(pay))
-//!     .layer(IdempotencyLayer::new(MemoryStore::new()).require_key(true));
+//!     // On the handler: 404s and 405s never reach the layer.
+//!     .route("/payments", post(pay).route_layer(idempotency));
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
 //! axum::serve(listener, app).await.unwrap();
 //! # }
@@ -29,10 +30,15 @@
 //! | first request with the key | the handler runs; its response is stored and returned |
 //! | retry after it completed | the stored response: same status, headers, body and trailers, plus `Idempotent-Replayed: true` |
 //! | retry while the first is still running | 409 with `Retry-After` |
-//! | same key, different method, path, query, body (or configured headers) | 422 |
-//! | malformed, empty, oversize or repeated key | 400 |
-//! | body over the request limit | 413 |
+//! | same key, different method, path, query, `Content-Type`, body (or configured headers) | 422 |
+//! | same key, different credentials | a record of its own (see [`scope`]) |
+//! | malformed, empty, oversize, repeated or listed key | 400 |
+//! | body over the request limit, or not received in time | 413, 408 |
 //! | store unreachable | 503 with `Retry-After`; the handler did not run |
+//!
+//! Answers that say nothing was executed (400, 401, 403, 404, 405, 413, 415, 422: router,
+//! extractor and authentication rejections) release the key, so the corrected request runs; see
+//! [`CompletionPolicy`].
 //!
 //! Rejections are `application/problem+json` responses (see [`problem`] for the `type` URIs),
 //! or gRPC statuses for gRPC callers: never service errors, so the layer's error type is the
@@ -40,9 +46,11 @@
 //!
 //! # How it works
 //!
-//! 1. The key is parsed (RFC 8941 string or bare token, 1 to 255 visible ASCII characters).
-//! 2. The body is buffered (up to a limit) and the request fingerprinted with SHA-256 over
-//!    method, path and query, configured headers and body.
+//! 1. The key is parsed (RFC 8941 string or bare token, 1 to 255 visible ASCII characters) and
+//!    scoped: by default to the caller's credentials ([`scope::by_credentials`]).
+//! 2. The body is buffered (up to a size and a time limit) and the request fingerprinted with
+//!    SHA-256 over method, path and query as the client sent them, `Content-Type`, configured
+//!    headers and body.
 //! 3. The key is **claimed** in the [`Store`](store::Store) with a fresh owner token, a fence
 //!    number and a lease. No request reaches the handler without a claim.
 //! 4. The handler runs in a task of its own, so it finishes even if the client disconnects; the
@@ -54,6 +62,14 @@
 //!
 //! The handler finds an [`IdempotencyClaim`] in the request extensions: the key, the scope and
 //! the fence.
+//!
+//! # Composing with other layers
+//!
+//! Install the layer on the handler (`post(handler).route_layer(layer)`), and everything that
+//! concerns one exchange **outside** it: authentication (the scope needs its result),
+//! compression, CORS, request ids, timeouts, body limits, tracing. Inside, they would make it
+//! store per-caller state or cancel the handler it promised to finish; the README's "Composing
+//! with other layers" has the tested order and what the layer does when one sits inside.
 //!
 //! # tonic and hyper
 //!
@@ -112,6 +128,7 @@ mod policy;
 pub mod problem;
 mod protocol;
 mod response;
+pub mod scope;
 mod service;
 pub mod store;
 
@@ -122,8 +139,8 @@ pub use self::{
     future::ResponseFuture,
     key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN},
     layer::{
-        DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, DEFAULT_RETENTION,
-        IdempotencyLayer,
+        DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY,
+        DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_RETENTION, IdempotencyLayer,
     },
     metrics::{Metrics, MetricsSnapshot},
     policy::{Completion, CompletionPolicy, ResponseSummary},

@@ -17,12 +17,24 @@ pub enum Completion {
 ///
 /// The default ([`CompletionPolicy::default`]):
 ///
-/// - HTTP: `Complete` for status < 500, except 408, 409, 425 and 429 (answers that mean "try
-///   again"); `Release` for those and every 5xx.
+/// - HTTP: `Complete` for status < 500, except two kinds of answer, which `Release`:
+///   - "nothing was executed": 400, 401, 403, 404, 405, 413, 415 and 422, the answers of
+///     routers, extractors and authentication layers that refuse a request before a handler
+///     acts on it (a mistyped path, a missing `Content-Type`, malformed JSON, a failed
+///     validation). A corrected request with the same key then runs, as Stripe does: a
+///     result is saved only once an endpoint started executing;
+///   - "try again": 408, 409, 425 and 429;
+///
+///   and every 5xx releases too. A handler that has acted and then answers with one of these
+///   statuses should commit through the fence (a committed key is always completed) or answer
+///   with another status: a released key runs again on the next retry.
 /// - gRPC (`content-type: application/grpc…`): read `grpc-status` from the trailers (or from the
-///   headers of a trailers-only response). `Release` for CANCELLED, UNKNOWN, DEADLINE_EXCEEDED,
-///   RESOURCE_EXHAUSTED, ABORTED, INTERNAL and UNAVAILABLE, and when the status is missing;
-///   `Complete` for OK and every other (deterministic) code.
+///   headers of a trailers-only response). `Release` for the codes that mean the call was
+///   refused before acting (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, UNIMPLEMENTED,
+///   UNAUTHENTICATED), for those that mean "try again" (CANCELLED, UNKNOWN, DEADLINE_EXCEEDED,
+///   RESOURCE_EXHAUSTED, ABORTED, INTERNAL, UNAVAILABLE), and when the status is missing;
+///   `Complete` for OK and every other code (ALREADY_EXISTS, FAILED_PRECONDITION, OUT_OF_RANGE,
+///   DATA_LOSS).
 ///
 /// Whatever the policy says, a key whose handler committed through the fence is always completed.
 #[derive(Clone)]
@@ -84,6 +96,9 @@ fn default_policy(response: &ResponseSummary<'_>) -> Completion {
             .and_then(|t| t.get("grpc-status"))
             .or_else(|| response.headers.get("grpc-status"));
         return match status.map(|s| s.as_bytes()) {
+            // INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, UNIMPLEMENTED, UNAUTHENTICATED:
+            // refused before acting.
+            Some(b"3" | b"5" | b"7" | b"12" | b"16") => Completion::Release,
             // CANCELLED, UNKNOWN, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, INTERNAL,
             // UNAVAILABLE: the outcome is not the call's final word.
             Some(b"1" | b"2" | b"4" | b"8" | b"10" | b"13" | b"14") | None => Completion::Release,
@@ -91,6 +106,9 @@ fn default_policy(response: &ResponseSummary<'_>) -> Completion {
         };
     }
     match response.status.as_u16() {
+        // Nothing was executed: a router, an extractor or an authentication layer refused.
+        400 | 401 | 403 | 404 | 405 | 413 | 415 | 422 => Completion::Release,
+        // Try again.
         408 | 409 | 425 | 429 | 500.. => Completion::Release,
         _ => Completion::Complete,
     }
@@ -119,14 +137,16 @@ mod tests {
     #[test]
     fn http_statuses() {
         let none = HeaderMap::new();
-        for status in [200, 201, 204, 301, 400, 404, 422] {
+        for status in [200, 201, 202, 204, 301, 303, 402, 406, 410, 412] {
             assert_eq!(
                 decide(status, &none, None),
                 Completion::Complete,
                 "{status}"
             );
         }
-        for status in [408, 409, 425, 429, 500, 502, 503, 504] {
+        for status in [
+            400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429, 500, 502, 503, 504,
+        ] {
             assert_eq!(decide(status, &none, None), Completion::Release, "{status}");
         }
     }
@@ -143,14 +163,16 @@ mod tests {
             t.insert("grpc-status", HeaderValue::from_static(code));
             t
         };
-        for code in ["0", "3", "5", "6", "7", "9", "11", "12", "16"] {
+        for code in ["0", "6", "9", "11", "15"] {
             assert_eq!(
                 decide(200, &headers, Some(&trailers(code))),
                 Completion::Complete,
                 "{code}"
             );
         }
-        for code in ["1", "2", "4", "8", "10", "13", "14"] {
+        for code in [
+            "1", "2", "3", "4", "5", "7", "8", "10", "12", "13", "14", "16",
+        ] {
             assert_eq!(
                 decide(200, &headers, Some(&trailers(code))),
                 Completion::Release,
@@ -159,7 +181,7 @@ mod tests {
         }
         assert_eq!(decide(200, &headers, None), Completion::Release);
         let mut trailers_only = headers.clone();
-        trailers_only.insert("grpc-status", HeaderValue::from_static("5"));
+        trailers_only.insert("grpc-status", HeaderValue::from_static("6"));
         assert_eq!(decide(200, &trailers_only, None), Completion::Complete);
     }
 }

@@ -1,41 +1,55 @@
 //! The answers the layer gives instead of running the handler.
 //!
 //! HTTP callers get `application/problem+json` (RFC 9457) with one of the stable `type` URIs
-//! below; gRPC callers (request `content-type: application/grpc…`) get a trailers-only response
-//! with a `grpc-status`, because tonic clients report bare HTTP errors as transport failures.
+//! below (or whatever [`IdempotencyLayer::with_problem_response`] renders from the [`Problem`]);
+//! gRPC callers (request `content-type: application/grpc…`) get a trailers-only response with a
+//! `grpc-status`, because tonic clients report bare HTTP errors as transport failures.
 //!
 //! | `type` | HTTP | gRPC | when |
 //! |---|---|---|---|
-//! | [`INVALID_KEY`] | 400 | INVALID_ARGUMENT | the key is empty, too long, not visible ASCII, malformed or repeated |
+//! | [`INVALID_KEY`] | 400 | INVALID_ARGUMENT | the key is empty, too long, not visible ASCII, malformed, repeated or a list |
 //! | [`MISSING_KEY`] | 400 | INVALID_ARGUMENT | the layer requires a key and none was sent |
-//! | [`BODY_TOO_LARGE`] | 413 | RESOURCE_EXHAUSTED | the request body is over the limit |
+//! | [`NO_SCOPE`] | 500 | INTERNAL | the scope function found no scope for the request (see [`IdempotencyLayer::with_scope`]) |
+//! | [`BODY_TOO_LARGE`] | 413 | RESOURCE_EXHAUSTED | the request body is over a size limit (this layer's or one outside it) |
+//! | [`BODY_TIMEOUT`] | 408 | DEADLINE_EXCEEDED | the request body did not arrive within the layer's time limit |
 //! | [`BODY_UNREADABLE`] | 400 | INVALID_ARGUMENT | the request body failed while being read |
 //! | [`KEY_MISMATCH`] | 422 | FAILED_PRECONDITION | the key was used with a different request |
-//! | [`IN_FLIGHT`] | 409 + `Retry-After` | ABORTED + `grpc-retry-pushback-ms` | the first request with this key is still running |
+//! | [`IN_FLIGHT`] | 409 + `Retry-After` | ABORTED + `grpc-retry-pushback-ms` | the first request with this key is still running (after the layer waited for it) |
+//! | [`REPLAY_NOT_ACCEPTABLE`] | 406 | FAILED_PRECONDITION | the stored response varies (`Vary`) on request headers this retry sends differently |
 //! | [`RESPONSE_NOT_STORED`] | 409 | FAILED_PRECONDITION | the request completed, but its response was over the cache limit |
-//! | [`OUTCOME_UNKNOWN`] | 409 | FAILED_PRECONDITION | the handler committed, then its instance died before storing a response |
+//! | [`OUTCOME_UNKNOWN`] | 409 | FAILED_PRECONDITION | the handler committed, then its instance died before storing a response (and the layer does not recover) |
 //! | [`STORE_UNAVAILABLE`] | 503 + `Retry-After` | UNAVAILABLE | the store could not be reached; the handler did not run |
 //! | [`HANDLER_FAILED`] | 500 | INTERNAL | the handler panicked or failed |
+//!
+//! [`IdempotencyLayer::with_problem_response`]: crate::IdempotencyLayer::with_problem_response
+//! [`IdempotencyLayer::with_scope`]: crate::IdempotencyLayer::with_scope
 
-use std::time::Duration;
+use std::{fmt, time::Duration};
 
 use bytes::Bytes;
-use http::{HeaderValue, StatusCode, header};
+use http::{HeaderName, HeaderValue, StatusCode, header};
 
 use crate::{IdempotencyKey, KeyError};
 
-/// `type` of a 400: the `Idempotency-Key` header is invalid or repeated.
+/// `type` of a 400: the idempotency key header is invalid or repeated.
 pub const INVALID_KEY: &str = "urn:tower-idempotency:problem:invalid-key";
-/// `type` of a 400: the layer requires an `Idempotency-Key` and none was sent.
+/// `type` of a 400: the layer requires an idempotency key and none was sent.
 pub const MISSING_KEY: &str = "urn:tower-idempotency:problem:missing-key";
-/// `type` of a 413: the request body is over the layer's limit.
+/// `type` of a 500: the scope function found no scope for the request.
+pub const NO_SCOPE: &str = "urn:tower-idempotency:problem:no-scope";
+/// `type` of a 413: the request body is over a size limit.
 pub const BODY_TOO_LARGE: &str = "urn:tower-idempotency:problem:body-too-large";
+/// `type` of a 408: the request body did not arrive in time.
+pub const BODY_TIMEOUT: &str = "urn:tower-idempotency:problem:body-timeout";
 /// `type` of a 400: the request body failed while being read.
 pub const BODY_UNREADABLE: &str = "urn:tower-idempotency:problem:body-unreadable";
 /// `type` of a 422: the key was first used with a different request.
 pub const KEY_MISMATCH: &str = "urn:tower-idempotency:problem:key-mismatch";
 /// `type` of a 409: a request with this key is still running.
 pub const IN_FLIGHT: &str = "urn:tower-idempotency:problem:in-flight";
+/// `type` of a 406: the stored response cannot be replayed to a request that negotiates
+/// differently.
+pub const REPLAY_NOT_ACCEPTABLE: &str = "urn:tower-idempotency:problem:replay-not-acceptable";
 /// `type` of a 409: the request completed, but its response was too large to store.
 pub const RESPONSE_NOT_STORED: &str = "urn:tower-idempotency:problem:response-not-stored";
 /// `type` of a 409: the request's write committed, but its response was lost with its instance.
@@ -49,15 +63,29 @@ pub const HANDLER_FAILED: &str = "urn:tower-idempotency:problem:handler-failed";
 const STORE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Why the layer answered itself.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) enum Rejection {
     InvalidKey(KeyError),
     MissingKey,
-    BodyTooLarge { limit: usize },
+    NoScope,
+    /// `limit` is this layer's limit when it is the one that tripped.
+    BodyTooLarge {
+        limit: Option<usize>,
+    },
+    BodyTimeout {
+        after: Duration,
+    },
     BodyUnreadable,
     Mismatch,
-    InFlight { retry_after: Duration },
-    ResponseNotStored { status: StatusCode },
+    InFlight {
+        retry_after: Duration,
+    },
+    NotAcceptable {
+        headers: Vec<HeaderName>,
+    },
+    ResponseNotStored {
+        status: StatusCode,
+    },
     OutcomeUnknown,
     StoreUnavailable,
     HandlerFailed,
@@ -66,14 +94,16 @@ pub(crate) enum Rejection {
 /// gRPC status codes used below.
 mod code {
     pub(super) const INVALID_ARGUMENT: u8 = 3;
+    pub(super) const DEADLINE_EXCEEDED: u8 = 4;
+    pub(super) const RESOURCE_EXHAUSTED: u8 = 8;
     pub(super) const FAILED_PRECONDITION: u8 = 9;
     pub(super) const ABORTED: u8 = 10;
-    pub(super) const RESOURCE_EXHAUSTED: u8 = 8;
     pub(super) const INTERNAL: u8 = 13;
     pub(super) const UNAVAILABLE: u8 = 14;
 }
 
 impl Rejection {
+    /// Status, `type`, title and gRPC code.
     fn describe(&self) -> (StatusCode, &'static str, &'static str, u8) {
         use Rejection::*;
         match self {
@@ -89,11 +119,23 @@ impl Rejection {
                 "Idempotency key required",
                 code::INVALID_ARGUMENT,
             ),
+            NoScope => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                NO_SCOPE,
+                "No idempotency scope",
+                code::INTERNAL,
+            ),
             BodyTooLarge { .. } => (
                 StatusCode::PAYLOAD_TOO_LARGE,
                 BODY_TOO_LARGE,
                 "Request body too large",
                 code::RESOURCE_EXHAUSTED,
+            ),
+            BodyTimeout { .. } => (
+                StatusCode::REQUEST_TIMEOUT,
+                BODY_TIMEOUT,
+                "Request body timed out",
+                code::DEADLINE_EXCEEDED,
             ),
             BodyUnreadable => (
                 StatusCode::BAD_REQUEST,
@@ -112,6 +154,12 @@ impl Rejection {
                 IN_FLIGHT,
                 "Request in progress",
                 code::ABORTED,
+            ),
+            NotAcceptable { .. } => (
+                StatusCode::NOT_ACCEPTABLE,
+                REPLAY_NOT_ACCEPTABLE,
+                "Stored response not acceptable",
+                code::FAILED_PRECONDITION,
             ),
             ResponseNotStored { .. } => (
                 StatusCode::CONFLICT,
@@ -144,11 +192,23 @@ impl Rejection {
         use Rejection::*;
         match self {
             InvalidKey(error) => error.to_string(),
-            MissingKey => "this endpoint requires an Idempotency-Key header".into(),
-            BodyTooLarge { limit } => format!("the request body is over the {limit}-byte limit"),
+            MissingKey => "this endpoint requires an idempotency key header".into(),
+            NoScope => "the request could not be attributed to a caller, so its idempotency key has no scope; the layer that authenticates requests must run before (outside) the idempotency layer".into(),
+            BodyTooLarge { limit: Some(limit) } => {
+                format!("the request body is over the {limit}-byte limit")
+            }
+            BodyTooLarge { limit: None } => "the request body is over a size limit".into(),
+            BodyTimeout { after } => format!(
+                "the request body did not arrive within {} ms",
+                after.as_millis()
+            ),
             BodyUnreadable => "the request body could not be read".into(),
-            Mismatch => "this idempotency key was first used with a different method, path, query, body or headers; use a new key for a new request".into(),
+            Mismatch => "this idempotency key was first used with a different method, path, query, content type, body or headers; use a new key for a new request".into(),
             InFlight { .. } => "a request with this idempotency key is still being processed; retry after the indicated time".into(),
+            NotAcceptable { headers } => {
+                let names: Vec<&str> = headers.iter().map(HeaderName::as_str).collect();
+                format!("the request with this idempotency key completed, and its stored response depends on request headers ({}) that this retry sends differently; retry with the same headers as the first request", names.join(", "))
+            }
             ResponseNotStored { status } => format!("the request with this idempotency key completed with status {}, but its response was too large to store for replay; it will not run again", status.as_u16()),
             OutcomeUnknown => "the request with this idempotency key committed its changes, but its response was lost; it will not run again: look the result up instead of retrying".into(),
             StoreUnavailable => "the idempotency store could not be reached, so the request was not processed; retry with the same key".into(),
@@ -164,54 +224,150 @@ impl Rejection {
         }
     }
 
-    /// Renders the rejection for an HTTP or a gRPC caller.
-    pub(crate) fn into_response(
-        self,
-        key: Option<&IdempotencyKey>,
-        grpc: bool,
-    ) -> http::Response<Bytes> {
+    /// The problem this rejection is, about `key` if known.
+    pub(crate) fn problem(self, key: Option<&IdempotencyKey>) -> Problem {
         let (status, type_uri, title, grpc_code) = self.describe();
-        let detail = self.detail();
-        let retry_after = self.retry_after();
-        if grpc {
-            let mut response = http::Response::new(Bytes::new());
-            let headers = response.headers_mut();
-            headers.insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/grpc"),
-            );
-            headers.insert("grpc-status", HeaderValue::from(u16::from(grpc_code)));
-            headers.insert("grpc-message", percent_encode(&detail));
-            if let Some(after) = retry_after {
-                headers.insert(
-                    "grpc-retry-pushback-ms",
-                    HeaderValue::from(after.as_millis() as u64),
-                );
-            }
-            return response;
+        Problem {
+            status,
+            type_uri,
+            title,
+            detail: self.detail(),
+            key: key.cloned(),
+            retry_after: self.retry_after(),
+            replayed: matches!(self, Rejection::ResponseNotStored { .. }),
+            grpc_code,
         }
+    }
+}
+
+/// An answer the layer gives instead of the handler's: what went wrong, as RFC 9457 describes a
+/// problem. [`to_response`](Self::to_response) renders it as `application/problem+json`; a
+/// hook given to [`IdempotencyLayer::with_problem_response`](crate::IdempotencyLayer::with_problem_response)
+/// can render it in an application's own error envelope instead.
+#[derive(Debug, Clone)]
+pub struct Problem {
+    status: StatusCode,
+    type_uri: &'static str,
+    title: &'static str,
+    detail: String,
+    key: Option<IdempotencyKey>,
+    retry_after: Option<Duration>,
+    replayed: bool,
+    grpc_code: u8,
+}
+
+impl Problem {
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The stable `type` URI (one of this module's constants): match on it, not on the text.
+    pub fn type_uri(&self) -> &'static str {
+        self.type_uri
+    }
+
+    /// A short, stable summary.
+    pub fn title(&self) -> &'static str {
+        self.title
+    }
+
+    /// What happened to this request and what the client should do.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// The idempotency key concerned, once the header was read.
+    pub fn key(&self) -> Option<&IdempotencyKey> {
+        self.key.as_ref()
+    }
+
+    /// How long the client should wait before retrying, when retrying helps (409 in flight, 503).
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// Whether this answer stands for a stored outcome (it then carries `Idempotent-Replayed`).
+    pub fn replayed(&self) -> bool {
+        self.replayed
+    }
+
+    /// The default rendering: an `application/problem+json` body with `type`, `title`, `status`,
+    /// `detail` and `idempotency_key`, a `Retry-After` header in whole seconds (rounded up, at
+    /// least 1) when [`retry_after`](Self::retry_after) is set, and `Idempotent-Replayed: true`
+    /// when [`replayed`](Self::replayed).
+    pub fn to_response(&self) -> http::Response<Bytes> {
         let mut body = serde_json::json!({
-            "type": type_uri,
-            "title": title,
-            "status": status.as_u16(),
-            "detail": detail,
+            "type": self.type_uri,
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
         });
-        if let Some(key) = key {
+        if let Some(key) = &self.key {
             body["idempotency_key"] = key.as_str().into();
         }
         let mut response = http::Response::new(Bytes::from(body.to_string()));
-        *response.status_mut() = status;
-        let headers = response.headers_mut();
-        headers.insert(
+        *response.status_mut() = self.status;
+        response.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         );
-        if let Some(after) = retry_after {
+        self.add_headers(&mut response);
+        response
+    }
+
+    /// The `Retry-After` and `Idempotent-Replayed` headers this problem calls for.
+    fn add_headers(&self, response: &mut http::Response<Bytes>) {
+        let headers = response.headers_mut();
+        if let Some(after) = self.retry_after {
             // Whole seconds, rounded up: "Retry-After: 0" would invite an immediate retry.
             let secs = after.as_millis().div_ceil(1000).max(1) as u64;
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        if self.replayed {
+            headers.insert(
+                crate::protocol::IDEMPOTENT_REPLAYED,
+                HeaderValue::from_static("true"),
+            );
+        }
+    }
+
+    /// The rendering for a gRPC caller: a trailers-only response with `grpc-status`,
+    /// `grpc-message` and, when retrying helps, `grpc-retry-pushback-ms`.
+    pub(crate) fn to_grpc_response(&self) -> http::Response<Bytes> {
+        let mut response = http::Response::new(Bytes::new());
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
+        headers.insert("grpc-status", HeaderValue::from(u16::from(self.grpc_code)));
+        headers.insert("grpc-message", percent_encode(&self.detail));
+        if let Some(after) = self.retry_after {
+            headers.insert(
+                "grpc-retry-pushback-ms",
+                HeaderValue::from(after.as_millis().max(1) as u64),
+            );
+        }
+        if self.replayed {
+            headers.insert(
+                crate::protocol::IDEMPOTENT_REPLAYED,
+                HeaderValue::from_static("true"),
+            );
+        }
         response
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {}: {}",
+            self.status.as_u16(),
+            self.title,
+            self.detail
+        )
     }
 }
 
@@ -238,7 +394,8 @@ mod tests {
         let response = Rejection::InFlight {
             retry_after: Duration::from_millis(1500),
         }
-        .into_response(Some(&key), false);
+        .problem(Some(&key))
+        .to_response();
         assert_eq!(response.status(), StatusCode::CONFLICT);
         assert_eq!(
             response.headers()["content-type"],
@@ -256,18 +413,34 @@ mod tests {
         let response = Rejection::InFlight {
             retry_after: Duration::from_millis(3),
         }
-        .into_response(None, false);
+        .problem(None)
+        .to_response();
         assert_eq!(response.headers()["retry-after"], "1");
     }
 
     #[test]
     fn grpc_rejections_are_trailers_only_statuses() {
-        let response = Rejection::Mismatch.into_response(None, true);
+        let response = Rejection::Mismatch.problem(None).to_grpc_response();
         assert_eq!(response.status(), StatusCode::OK);
         assert_eq!(response.headers()["grpc-status"], "9");
         assert!(response.body().is_empty());
         let message = response.headers()["grpc-message"].to_str().unwrap();
         assert!(message.contains("different method"), "{message}");
         assert_eq!(percent_encode("50% é"), "50%25 %C3%A9");
+        let pushback = Rejection::InFlight {
+            retry_after: Duration::from_millis(250),
+        }
+        .problem(None)
+        .to_grpc_response();
+        assert_eq!(pushback.headers()["grpc-retry-pushback-ms"], "250");
+    }
+
+    #[test]
+    fn the_size_limit_named_is_the_one_that_tripped() {
+        let ours = Rejection::BodyTooLarge { limit: Some(16) }.problem(None);
+        assert!(ours.detail().contains("16-byte"), "{ours}");
+        let outer = Rejection::BodyTooLarge { limit: None }.problem(None);
+        assert!(!outer.detail().contains("byte limit"), "{outer}");
+        assert_eq!(outer.status(), StatusCode::PAYLOAD_TOO_LARGE);
     }
 }

@@ -12,9 +12,9 @@ use std::{
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::FutureExt;
-use http::{HeaderMap, HeaderValue, Request, Response};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, header};
 use http_body::{Body, Frame};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::{BodyExt, LengthLimitError};
 use tokio::sync::{mpsc, oneshot};
 use tower_service::Service;
 use uuid::Uuid;
@@ -22,6 +22,7 @@ use uuid::Uuid;
 use crate::{
     Completion, Fingerprint, IdempotencyClaim, IdempotencyKey, StoredResponse,
     body::{LiveFrame, RequestBody, ResponseBody},
+    fingerprint::FingerprintHasher,
     future::Reply,
     layer::Config,
     policy::{ResponseSummary, is_grpc},
@@ -52,7 +53,7 @@ struct Outcome {
 pub(crate) async fn run<S, ReqBody, ResBody>(
     config: Arc<Config>,
     inner: S,
-    key: IdempotencyKey,
+    record: RecordKey,
     request: Request<ReqBody>,
     reply: Caller<ResBody, S::Error>,
 ) where
@@ -64,21 +65,16 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
 {
     let grpc = is_grpc(request.headers());
     let (parts, body) = request.into_parts();
-    let body = match read_body(body, config.max_request_body).await {
-        Ok(body) => body,
+    let (body, fingerprint) = match read_body(&config, &parts, body).await {
+        Ok(read) => read,
         Err(rejection) => {
-            let _ = reply.send(Ok(respond(&config, rejection, Some(&key), grpc)));
+            let _ = reply.send(Ok(respond(&config, rejection, Some(record.key()), grpc)));
             return;
         }
     };
-    let claim = ClaimRequest::new(
-        RecordKey::new(config.scope_of(&parts), key.clone()),
-        Fingerprint::of_request(&parts, &config.fingerprint_headers, &body),
-        Uuid::new_v4(),
-        config.lease,
-    );
+    let claim = ClaimRequest::new(record, fingerprint, Uuid::new_v4(), config.lease);
     let outcome = config.store.claim(&claim).await;
-    let fence = match fence_or_answer(&config, claim.record(), outcome, grpc) {
+    let fence = match fence_or_answer(&config, claim.record(), &parts.headers, outcome, grpc) {
         ControlFlow::Continue(fence) => fence,
         ControlFlow::Break(answer) => {
             let _ = reply.send(Ok(answer));
@@ -89,12 +85,22 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     let lease = claim.lease_with_fence(fence);
     tracing::debug!(record = %lease.record(), fence, owner = %lease.owner(), "claimed; running handler");
 
+    // The response may vary on request headers (`Vary`): keep them to store with it.
+    let request_headers = parts.headers.clone();
     let mut request = Request::from_parts(parts, RequestBody::buffered(body));
     request
         .extensions_mut()
         .insert(IdempotencyClaim::new(lease.clone(), config.retention));
     let handled = {
-        let work = pin!(handle(&config, inner, request, reply, &key, grpc));
+        let work = pin!(handle(
+            &config,
+            inner,
+            request,
+            &request_headers,
+            reply,
+            lease.record().key(),
+            grpc
+        ));
         let renewal = pin!(keep_lease(&config, &lease));
         tokio::select! {
             biased;
@@ -115,15 +121,21 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
 fn fence_or_answer<B>(
     config: &Config,
     record: &RecordKey,
+    request_headers: &HeaderMap,
     outcome: Result<ClaimOutcome, StoreError>,
     grpc: bool,
 ) -> ControlFlow<Response<ResponseBody<B>>, u64> {
     let rejection = match outcome {
         Ok(ClaimOutcome::Acquired { fence }) => return ControlFlow::Continue(fence),
         Ok(ClaimOutcome::Completed { response, .. }) if response.body().is_some() => {
-            tracing::debug!(record = %record, "replaying stored response");
-            config.metrics.add(|m| &m.replays);
-            return ControlFlow::Break(replay(*response));
+            match vary_mismatch(&response, request_headers) {
+                None => {
+                    tracing::debug!(record = %record, "replaying stored response");
+                    config.metrics.add(|m| &m.replays);
+                    return ControlFlow::Break(replay(*response));
+                }
+                Some(headers) => Rejection::NotAcceptable { headers },
+            }
         }
         Ok(ClaimOutcome::Completed { response, .. }) => Rejection::ResponseNotStored {
             status: response.status(),
@@ -142,21 +154,104 @@ fn fence_or_answer<B>(
     ControlFlow::Break(respond(config, rejection, Some(record.key()), grpc))
 }
 
-/// Buffers a guarded request body, up to `limit` bytes.
-async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, Rejection>
+/// The names of the request headers the stored response varies on that this request sends
+/// differently, if any: such a retry must not receive a body negotiated for another request.
+fn vary_mismatch(stored: &StoredResponse, request: &HeaderMap) -> Option<Vec<HeaderName>> {
+    let differing: Vec<HeaderName> = vary_names(stored.headers())
+        .filter(|name| {
+            !request
+                .get_all(name)
+                .iter()
+                .eq(stored.varied_request_headers().get_all(name))
+        })
+        .collect();
+    (!differing.is_empty()).then_some(differing)
+}
+
+/// The request header names a response's `Vary` headers list (`*` names none in particular).
+fn vary_names(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {
+    headers
+        .get_all(header::VARY)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|list| list.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+}
+
+/// Buffers a guarded request body, up to the size and time limits, and fingerprints the request
+/// (hashing the body as it arrives, unless a hook must see all of it).
+async fn read_body<B>(
+    config: &Config,
+    parts: &http::request::Parts,
+    body: B,
+) -> Result<(Bytes, Fingerprint), Rejection>
 where
     B: Body,
     B::Error: Into<BoxError>,
 {
+    let limit = config.max_request_body;
     // A declared length over the limit is refused before a byte is read.
     if body.size_hint().lower() > limit as u64 {
-        return Err(Rejection::BodyTooLarge { limit });
+        return Err(Rejection::BodyTooLarge { limit: Some(limit) });
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.is::<LengthLimitError>() => Err(Rejection::BodyTooLarge { limit }),
-        Err(_) => Err(Rejection::BodyUnreadable),
+    let mut hasher = FingerprintHasher::new(parts, &config.fingerprint_headers);
+    let hashing = config.fingerprint_body.is_none();
+    let mut chunks = Vec::new();
+    let mut len = 0;
+    let read = async {
+        let mut body = pin!(body);
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|error| {
+                let error: BoxError = error.into();
+                if caused_by::<LengthLimitError>(&*error) {
+                    // A limit outside this layer (tower-http's RequestBodyLimitLayer, say).
+                    Rejection::BodyTooLarge { limit: None }
+                } else {
+                    tracing::debug!(error = %Chain(&*error), "request body failed");
+                    Rejection::BodyUnreadable
+                }
+            })?;
+            if let Ok(mut data) = frame.into_data() {
+                let data = data.copy_to_bytes(data.remaining());
+                len += data.len();
+                if len > limit {
+                    return Err(Rejection::BodyTooLarge { limit: Some(limit) });
+                }
+                if hashing {
+                    hasher.update(&data);
+                }
+                chunks.push(data);
+            }
+        }
+        Ok(())
+    };
+    let timeout = config.request_body_timeout;
+    match tokio::time::timeout(timeout, read).await {
+        Ok(read) => read?,
+        Err(_elapsed) => return Err(Rejection::BodyTimeout { after: timeout }),
     }
+    let body = concat(chunks);
+    let fingerprint = match &config.fingerprint_body {
+        None => hasher.finish(),
+        Some(hook) => {
+            let mut hasher = FingerprintHasher::new(parts, &config.fingerprint_headers);
+            hasher.update(&hook(parts, &body));
+            hasher.finish()
+        }
+    };
+    Ok((body, fingerprint))
+}
+
+/// Whether `error`, or any error in its chain of sources, is an `E`.
+fn caused_by<E: std::error::Error + 'static>(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if error.is::<E>() {
+            return true;
+        }
+        next = error.source();
+    }
+    false
 }
 
 /// What running the handler left: the outcome to store, and the answer still owed to the
@@ -173,6 +268,7 @@ async fn handle<S, ReqBody, ResBody>(
     config: &Config,
     mut inner: S,
     request: Request<RequestBody<ReqBody>>,
+    request_headers: &HeaderMap,
     reply: Caller<ResBody, S::Error>,
     key: &IdempotencyKey,
     grpc: bool,
@@ -199,10 +295,19 @@ where
     };
 
     let (parts, body) = response.into_parts();
+    if parts.status == StatusCode::REQUEST_TIMEOUT && !grpc {
+        warn_inner_timeout(config);
+    }
     let mut headers = HeaderMap::with_capacity(parts.headers.len());
     for (name, value) in &parts.headers {
         if config.stores_header(name) {
             headers.append(name, value.clone());
+        }
+    }
+    let mut varied = HeaderMap::new();
+    for name in vary_names(&parts.headers) {
+        for value in request_headers.get_all(&name) {
+            varied.append(name.clone(), value.clone());
         }
     }
     let hint = body.size_hint();
@@ -230,7 +335,8 @@ where
                     headers,
                     Some(data.clone()),
                     trailers.clone(),
-                );
+                )
+                .with_varied_request_headers(varied);
                 let answer = Response::from_parts(parts, ResponseBody::full(data, trailers));
                 return Handled {
                     outcome: Outcome {
@@ -297,6 +403,22 @@ where
     }
 }
 
+/// A timeout layer inside this one answers 408 and drops (cancels) the handler this layer promised
+/// to run to completion; a released key then runs again on every retry. Said once per layer.
+fn warn_inner_timeout(config: &Config) {
+    if !config
+        .shared
+        .warned_inner_timeout
+        .swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        tracing::warn!(
+            "the inner service answered 408 Request Timeout: if a timeout layer sits inside \
+             IdempotencyLayer it cancels handlers mid-way and every retry starts them again; \
+             install it outside (see \"Composing with other layers\")"
+        );
+    }
+}
+
 /// One step of reading the handler's response body.
 enum Next {
     Data(Bytes),
@@ -346,9 +468,7 @@ fn failed<B, E>(
     error: Option<E>,
 ) -> Handled<B, E> {
     config.metrics.add(|m| &m.handler_failures);
-    let (parts, body) = Rejection::HandlerFailed
-        .into_response(Some(key), grpc)
-        .into_parts();
+    let (parts, body) = render(config, Rejection::HandlerFailed, Some(key), grpc).into_parts();
     let stored = StoredResponse::new(
         parts.status,
         parts.headers.clone(),
@@ -479,35 +599,34 @@ pub(crate) fn respond<B>(
     grpc: bool,
 ) -> Response<ResponseBody<B>> {
     config.metrics.add(|m| match rejection {
-        Rejection::InvalidKey(_) | Rejection::MissingKey | Rejection::BodyUnreadable => {
-            &m.bad_requests
-        }
+        Rejection::InvalidKey(_)
+        | Rejection::MissingKey
+        | Rejection::BodyUnreadable
+        | Rejection::BodyTimeout { .. } => &m.bad_requests,
         Rejection::BodyTooLarge { .. } => &m.too_large,
-        Rejection::Mismatch => &m.mismatches,
+        Rejection::Mismatch | Rejection::NotAcceptable { .. } => &m.mismatches,
         Rejection::InFlight { .. } | Rejection::OutcomeUnknown => &m.in_flight,
         Rejection::ResponseNotStored { .. } => &m.replays,
         Rejection::StoreUnavailable => &m.store_unavailable,
-        Rejection::HandlerFailed => &m.handler_failures,
+        Rejection::HandlerFailed | Rejection::NoScope => &m.handler_failures,
     });
-    reject(rejection, key, grpc)
+    render(config, rejection, key, grpc).map(|body| ResponseBody::full(body, None))
 }
 
-/// The layer's own answer.
-pub(crate) fn reject<B>(
+/// The layer's own answer, rendered for its caller: a gRPC status, or the problem through the
+/// configured hook.
+fn render(
+    config: &Config,
     rejection: Rejection,
     key: Option<&IdempotencyKey>,
     grpc: bool,
-) -> Response<ResponseBody<B>> {
-    let replayed = matches!(rejection, Rejection::ResponseNotStored { .. });
-    let mut response = rejection
-        .into_response(key, grpc)
-        .map(|body| ResponseBody::full(body, None));
-    if replayed {
-        response
-            .headers_mut()
-            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+) -> Response<Bytes> {
+    let problem = rejection.problem(key);
+    match &config.problem_response {
+        _ if grpc => problem.to_grpc_response(),
+        Some(hook) => hook(&problem),
+        None => problem.to_response(),
     }
-    response
 }
 
 /// Displays an error with its chain of sources: "a: b: c".

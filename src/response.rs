@@ -8,12 +8,17 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 /// Headers and trailers keep every value of a repeated field and the order the handler produced
 /// them in. The body is `None` when it exceeded the layer's cache limit: the outcome is recorded
 /// (so the request is never run again) but later retries get a problem response instead of it.
+///
+/// A response that varies on request headers (`Vary: accept-encoding`, as a compression layer
+/// inside the idempotency layer sets it) also keeps the first request's values of those headers:
+/// a retry that sends them differently is not given a body negotiated for someone else.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
     status: StatusCode,
     headers: HeaderMap,
     body: Option<Bytes>,
     trailers: Option<HeaderMap>,
+    varied: HeaderMap,
 }
 
 impl StoredResponse {
@@ -29,7 +34,14 @@ impl StoredResponse {
             headers,
             body,
             trailers,
+            varied: HeaderMap::new(),
         }
+    }
+
+    /// Records the first request's values of the headers the response's `Vary` names.
+    pub fn with_varied_request_headers(mut self, varied: HeaderMap) -> Self {
+        self.varied = varied;
+        self
     }
 
     /// The response status.
@@ -52,51 +64,65 @@ impl StoredResponse {
         self.trailers.as_ref()
     }
 
-    /// Splits the response into its parts.
+    /// The first request's values of the request headers the response varies on (its `Vary`).
+    pub fn varied_request_headers(&self) -> &HeaderMap {
+        &self.varied
+    }
+
+    /// Splits the response into status, headers, body and trailers.
     pub fn into_parts(self) -> (StatusCode, HeaderMap, Option<Bytes>, Option<HeaderMap>) {
         (self.status, self.headers, self.body, self.trailers)
     }
 
     /// Encodes the response in the crate's versioned binary format, the form stores keep.
     ///
-    /// The format is binary-safe (any body bytes, any header value bytes) and starts with a
-    /// magic and a version, so a record written by another version is reported, not misread.
+    /// The format is binary-safe (any body bytes, any header value bytes), compact (lengths
+    /// are varints) and starts with a magic and a version, so a record written by another
+    /// version is reported, not misread.
     pub fn encode(&self) -> Bytes {
         let body_len = self.body.as_ref().map_or(0, Bytes::len);
-        let mut out = BytesMut::with_capacity(64 + body_len + 64 * self.headers.len());
+        let mut out = BytesMut::with_capacity(16 + body_len + 48 * self.headers.len());
         out.put_slice(MAGIC);
         out.put_u8(VERSION);
         out.put_u16(self.status.as_u16());
+        let flags = u8::from(self.body.is_some())
+            | u8::from(self.trailers.is_some()) << 1
+            | u8::from(!self.varied.is_empty()) << 2;
+        out.put_u8(flags);
         put_fields(&mut out, &self.headers);
-        out.put_u8(u8::from(self.body.is_some()) | u8::from(self.trailers.is_some()) << 1);
         if let Some(body) = &self.body {
-            out.put_u64(body.len() as u64);
+            put_varint(&mut out, body.len() as u64);
             out.put_slice(body);
         }
         if let Some(trailers) = &self.trailers {
             put_fields(&mut out, trailers);
         }
+        if !self.varied.is_empty() {
+            put_fields(&mut out, &self.varied);
+        }
         out.freeze()
     }
 
-    /// Decodes a response written by [`encode`](Self::encode).
+    /// Decodes a response written by [`encode`](Self::encode). Never panics, whatever the bytes.
     pub fn decode(mut bytes: Bytes) -> Result<Self, DecodeError> {
         let buf = &mut bytes;
         if take(buf, MAGIC.len())? != MAGIC {
             return Err(DecodeError::NotARecord);
         }
-        match take_u8(buf)? {
+        match take(buf, 1)?[0] {
             VERSION => {}
             other => return Err(DecodeError::UnknownVersion(other)),
         }
-        let status = StatusCode::from_u16(take_u16(buf)?).map_err(|_| DecodeError::Invalid)?;
-        let headers = take_fields(buf)?;
-        let flags = take_u8(buf)?;
-        if flags & !0b11 != 0 {
+        let status = take(buf, 2)?;
+        let status = StatusCode::from_u16(u16::from_be_bytes([status[0], status[1]]))
+            .map_err(|_| DecodeError::Invalid)?;
+        let flags = take(buf, 1)?[0];
+        if flags & !0b111 != 0 {
             return Err(DecodeError::Invalid);
         }
+        let headers = take_fields(buf)?;
         let body = if flags & 1 != 0 {
-            let len = usize::try_from(take_u64(buf)?).map_err(|_| DecodeError::Truncated)?;
+            let len = take_len(buf)?;
             Some(take(buf, len)?)
         } else {
             None
@@ -106,10 +132,15 @@ impl StoredResponse {
         } else {
             None
         };
+        let varied = if flags & 4 != 0 {
+            take_fields(buf)?
+        } else {
+            HeaderMap::new()
+        };
         if buf.has_remaining() {
             return Err(DecodeError::TrailingBytes);
         }
-        Ok(Self::new(status, headers, body, trailers))
+        Ok(Self::new(status, headers, body, trailers).with_varied_request_headers(varied))
     }
 }
 
@@ -128,8 +159,8 @@ pub enum DecodeError {
     /// The record ends early.
     #[error("response record is truncated")]
     Truncated,
-    /// The record holds an invalid status, header name or header value.
-    #[error("response record holds an invalid status, header or flag")]
+    /// The record holds an invalid status, header name, header value, flag or length.
+    #[error("response record holds an invalid status, header, flag or length")]
     Invalid,
     /// Bytes follow the end of the record.
     #[error("response record has trailing bytes")]
@@ -137,27 +168,63 @@ pub enum DecodeError {
 }
 
 const MAGIC: &[u8] = b"TIR";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+
+fn put_varint(out: &mut BytesMut, mut n: u64) {
+    while n >= 0x80 {
+        out.put_u8((n as u8) | 0x80);
+        n >>= 7;
+    }
+    out.put_u8(n as u8);
+}
 
 fn put_fields(out: &mut BytesMut, fields: &HeaderMap) {
-    out.put_u32(fields.len() as u32);
+    put_varint(out, fields.len() as u64);
     for (name, value) in fields {
-        out.put_u16(name.as_str().len() as u16);
+        put_varint(out, name.as_str().len() as u64);
         out.put_slice(name.as_str().as_bytes());
-        out.put_u32(value.len() as u32);
+        put_varint(out, value.len() as u64);
         out.put_slice(value.as_bytes());
     }
 }
 
+fn take_varint(buf: &mut Bytes) -> Result<u64, DecodeError> {
+    let mut n = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = take(buf, 1)?[0];
+        let bits = u64::from(byte & 0x7f);
+        if shift == 63 && bits > 1 {
+            return Err(DecodeError::Invalid);
+        }
+        n |= bits << shift;
+        if byte & 0x80 == 0 {
+            return Ok(n);
+        }
+    }
+    Err(DecodeError::Invalid)
+}
+
+/// A length, which cannot exceed what is left of the record.
+fn take_len(buf: &mut Bytes) -> Result<usize, DecodeError> {
+    let len = take_varint(buf)?;
+    if len > buf.remaining() as u64 {
+        return Err(DecodeError::Truncated);
+    }
+    Ok(len as usize)
+}
+
 fn take_fields(buf: &mut Bytes) -> Result<HeaderMap, DecodeError> {
-    let count = take_u32(buf)? as usize;
-    // Each field takes at least six bytes: never trust a count to size an allocation.
-    let mut fields = HeaderMap::with_capacity(count.min(buf.remaining() / 6));
+    // Each field takes at least three bytes: never trust a count to size an allocation.
+    let count = take_varint(buf)?;
+    if count > buf.remaining() as u64 / 3 {
+        return Err(DecodeError::Truncated);
+    }
+    let mut fields = HeaderMap::with_capacity(count as usize);
     for _ in 0..count {
-        let name_len = usize::from(take_u16(buf)?);
+        let name_len = take_len(buf)?;
         let name =
             HeaderName::from_bytes(&take(buf, name_len)?).map_err(|_| DecodeError::Invalid)?;
-        let value_len = take_u32(buf)? as usize;
+        let value_len = take_len(buf)?;
         let value = HeaderValue::from_maybe_shared(take(buf, value_len)?)
             .map_err(|_| DecodeError::Invalid)?;
         fields.append(name, value);
@@ -172,22 +239,6 @@ fn take(buf: &mut Bytes, len: usize) -> Result<Bytes, DecodeError> {
     Ok(buf.split_to(len))
 }
 
-fn take_u8(buf: &mut Bytes) -> Result<u8, DecodeError> {
-    Ok(take(buf, 1)?.get_u8())
-}
-
-fn take_u16(buf: &mut Bytes) -> Result<u16, DecodeError> {
-    Ok(take(buf, 2)?.get_u16())
-}
-
-fn take_u32(buf: &mut Bytes) -> Result<u32, DecodeError> {
-    Ok(take(buf, 4)?.get_u32())
-}
-
-fn take_u64(buf: &mut Bytes) -> Result<u64, DecodeError> {
-    Ok(take(buf, 8)?.get_u64())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,12 +251,15 @@ mod tests {
         headers.append("x-opaque", HeaderValue::from_bytes(b"caf\xe9").unwrap());
         let mut trailers = HeaderMap::new();
         trailers.append("grpc-status", HeaderValue::from_static("0"));
+        let mut varied = HeaderMap::new();
+        varied.append("accept-encoding", HeaderValue::from_static("gzip"));
         StoredResponse::new(
             StatusCode::CREATED,
             headers,
             Some(Bytes::from_static(b"\x00\xff binary \r\n")),
             Some(trailers),
         )
+        .with_varied_request_headers(varied)
     }
 
     #[test]
@@ -235,6 +289,7 @@ mod tests {
         );
         let mut future = encoded.to_vec();
         future[3] = 9;
+        assert_eq!(encoded[3], VERSION);
         assert_eq!(
             StoredResponse::decode(future.into()),
             Err(DecodeError::UnknownVersion(9))
@@ -243,5 +298,32 @@ mod tests {
             StoredResponse::decode(Bytes::from_static(b"{\"json\":1}")),
             Err(DecodeError::NotARecord)
         );
+        // A count or a length larger than the record is refused before any allocation.
+        for hostile in [
+            &b"TIR\x02\x00\xc8\x00\xff\xff\xff\xff\x0f"[..],
+            b"TIR\x02\x00\xc8\x01\x00\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+            b"TIR\x02\x00\xc8\x00\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",
+        ] {
+            assert!(StoredResponse::decode(Bytes::from_static(hostile)).is_err());
+        }
+    }
+
+    #[test]
+    fn varints_round_trip_at_their_edges() {
+        for n in [
+            0,
+            1,
+            127,
+            128,
+            300,
+            16_383,
+            16_384,
+            u64::from(u32::MAX),
+            u64::MAX,
+        ] {
+            let mut out = BytesMut::new();
+            put_varint(&mut out, n);
+            assert_eq!(take_varint(&mut out.freeze()), Ok(n));
+        }
     }
 }

@@ -10,6 +10,7 @@ use http::{Request, Response};
 use http_body::Body;
 use tokio::sync::oneshot;
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::{
     IdempotencyKey,
@@ -19,7 +20,7 @@ use crate::{
     policy::is_grpc,
     problem::Rejection,
     protocol,
-    store::BoxError,
+    store::{BoxError, RecordKey},
 };
 
 /// Middleware that runs each guarded request at most once per (scope, key) across every instance
@@ -85,15 +86,24 @@ where
                 self.inner.call(request.map(RequestBody::passthrough)),
             );
         }
-        let key = match IdempotencyKey::from_headers(request.headers()) {
+        let grpc = is_grpc(request.headers());
+        let key = match IdempotencyKey::from_headers(request.headers(), &self.config.header) {
             Ok(Some(key)) => key,
             Ok(None) if !self.config.require_key => {
                 return ResponseFuture::passthrough(
                     self.inner.call(request.map(RequestBody::passthrough)),
                 );
             }
-            Ok(None) => return self.reject(Rejection::MissingKey, &request),
-            Err(error) => return self.reject(Rejection::InvalidKey(error), &request),
+            Ok(None) => return self.reject(Rejection::MissingKey, None, grpc),
+            Err(error) => return self.reject(Rejection::InvalidKey(error), None, grpc),
+        };
+        let (parts, body) = request.into_parts();
+        let Some(scope) = (self.config.scope)(&parts) else {
+            tracing::error!(
+                "no idempotency scope for this request: is the layer that authenticates requests \
+                 installed outside the idempotency layer?"
+            );
+            return self.reject(Rejection::NoScope, Some(&key), grpc);
         };
         // The service that was driven to readiness is the one that must be called, and it moves
         // into the task; a clone stays here. See tower-service's "Be careful when cloning inner
@@ -101,25 +111,28 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let (reply, receiver) = oneshot::channel();
-        tokio::spawn(protocol::run(
+        let run = protocol::run(
             Arc::clone(&self.config),
             inner,
-            key,
-            request,
+            RecordKey::new(scope, key),
+            Request::from_parts(parts, body),
             reply,
-        ));
+        );
+        // The task outlives this call (so the handler finishes even if the caller goes away);
+        // its events still belong to the caller's span.
+        tokio::spawn(run.instrument(tracing::Span::current()));
         ResponseFuture::spawned(receiver)
     }
 }
 
 impl<S> Idempotency<S> {
-    fn reject<B, F, E, ReqBody>(
+    fn reject<B, F, E>(
         &self,
         rejection: Rejection,
-        request: &Request<ReqBody>,
+        key: Option<&IdempotencyKey>,
+        grpc: bool,
     ) -> ResponseFuture<F, B, E> {
-        let grpc = is_grpc(request.headers());
-        ResponseFuture::ready(protocol::respond(&self.config, rejection, None, grpc))
+        ResponseFuture::ready(protocol::respond(&self.config, rejection, key, grpc))
     }
 }
 

@@ -56,6 +56,11 @@ impl Payments for Probe {
         if new.amount_cents <= 0 {
             return Err(Status::invalid_argument("amount_cents must be positive"));
         }
+        if new.amount_cents > 1_000_000 {
+            return Err(Status::failed_precondition(format!(
+                "over the account's limit (run {run})"
+            )));
+        }
         Ok(Response::new(Payment {
             id: format!("pay_{run}"),
             amount_cents: new.amount_cents,
@@ -149,12 +154,26 @@ async fn behaves_like_http(layer: IdempotencyLayer) {
     assert_eq!(probe.runs.load(SeqCst), 3);
 
     // A deterministic error is the call's final word: stored and replayed.
-    let invalid = client.create_payment(create("g-3", -1)).await.unwrap_err();
-    assert_eq!(invalid.code(), Code::InvalidArgument);
-    let invalid_again = client.create_payment(create("g-3", -1)).await.unwrap_err();
-    assert_eq!(invalid_again.code(), Code::InvalidArgument);
-    assert_eq!(invalid_again.message(), invalid.message());
+    let refused = client
+        .create_payment(create("g-3", 2_000_000))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition);
+    let refused_again = client
+        .create_payment(create("g-3", 2_000_000))
+        .await
+        .unwrap_err();
+    assert_eq!(refused_again.code(), Code::FailedPrecondition);
+    assert_eq!(refused_again.message(), refused.message());
     assert_eq!(probe.runs.load(SeqCst), 4);
+
+    // INVALID_ARGUMENT says nothing was executed: the key is released, and the corrected call
+    // with the same key runs.
+    let invalid = client.create_payment(create("g-5", -1)).await.unwrap_err();
+    assert_eq!(invalid.code(), Code::InvalidArgument);
+    let corrected = client.create_payment(create("g-5", 100)).await.unwrap();
+    assert!(!replayed(&corrected));
+    assert_eq!(probe.runs.load(SeqCst), 6);
 
     // Keys that are bad, or missing where required: INVALID_ARGUMENT, nothing runs.
     let bad = client
@@ -167,7 +186,7 @@ async fn behaves_like_http(layer: IdempotencyLayer) {
         .await
         .unwrap_err();
     assert_eq!(unkeyed.code(), Code::InvalidArgument);
-    assert_eq!(probe.runs.load(SeqCst), 4);
+    assert_eq!(probe.runs.load(SeqCst), 6);
 
     // A concurrent call while the first runs: a status clients retry, with a pushback hint.
     let gated = Probe {

@@ -25,7 +25,7 @@ use axum::{
 };
 use bytes::Bytes;
 use http_body_util::{BodyExt, StreamBody};
-use support::FrozenRenewals;
+use support::{Answer, FrozenRenewals};
 use tokio::sync::{Notify, Semaphore};
 use tower::{Service, ServiceExt};
 use tower_idempotency::{
@@ -145,48 +145,13 @@ fn post_payment(key: &str, body: &str) -> Request<Body> {
     request(Method::POST, "/payments", Some(key), body)
 }
 
-#[derive(Debug)]
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-    trailers: Option<HeaderMap>,
-}
-
-impl Answer {
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
-    }
-
-    fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-
-    fn problem_type(&self) -> String {
-        assert_eq!(self.headers["content-type"], "application/problem+json");
-        self.json()["type"].as_str().unwrap().to_owned()
-    }
-}
-
 async fn send<S, B>(service: &S, request: Request<Body>) -> Answer
 where
     S: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Clone,
     B: http_body::Body<Data = Bytes>,
     B::Error: std::fmt::Debug,
 {
-    let response = service.clone().oneshot(request).await.unwrap();
-    let (parts, body) = response.into_parts();
-    let collected = body.collect().await.unwrap();
-    let trailers = collected.trailers().cloned();
-    Answer {
-        status: parts.status,
-        headers: parts.headers,
-        body: collected.to_bytes(),
-        trailers,
-    }
+    support::call(service, request).await
 }
 
 #[tokio::test]
@@ -476,8 +441,7 @@ async fn scopes_are_independent() {
             .headers
             .get("x-tenant")
             .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_owned()
+            .map(str::to_owned)
     });
     let app = app(&layer, &probe);
     let tenant = |tenant: &str, body: &str| {
@@ -559,22 +523,23 @@ async fn retryable_statuses_release_the_key_and_final_ones_complete_it() {
     let status =
         |key: &str, code: u16| request(Method::POST, "/status", Some(key), &code.to_string());
 
-    for code in [500, 503, 429, 409, 408] {
+    let released = [500, 503, 429, 409, 408, 400, 404, 405, 415, 422];
+    for code in released {
         let key = format!("k-{code}");
         assert_eq!(send(&app, status(&key, code)).await.status.as_u16(), code);
         let again = send(&app, status(&key, code)).await;
         assert!(!again.replayed(), "{code} must release the key");
     }
-    assert_eq!(probe.runs(), 10);
+    assert_eq!(probe.runs(), 2 * released.len());
 
-    for code in [200, 400, 404, 422] {
+    for code in [200, 201, 402, 410] {
         let key = format!("k-{code}");
         send(&app, status(&key, code)).await;
         let again = send(&app, status(&key, code)).await;
         assert!(again.replayed(), "{code} must be stored");
         assert_eq!(again.status.as_u16(), code);
     }
-    assert_eq!(probe.runs(), 14);
+    assert_eq!(probe.runs(), 2 * released.len() + 4);
 }
 
 #[tokio::test]

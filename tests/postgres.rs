@@ -314,7 +314,10 @@ async fn an_orphaned_key_answers_outcome_unknown_through_the_layer() {
     // An earlier attempt of this request claimed and committed, then its instance died.
     let parts = Request::post("/x").body(()).unwrap().into_parts().0;
     let dead = ClaimRequest::new(
-        RecordKey::new("", IdempotencyKey::try_from("k-dead").unwrap()),
+        RecordKey::new(
+            tower_idempotency::scope::ANONYMOUS_SCOPE,
+            IdempotencyKey::try_from("k-dead").unwrap(),
+        ),
         Fingerprint::of_request(&parts, &[], b""),
         Uuid::new_v4(),
         Duration::from_millis(100),

@@ -122,6 +122,7 @@ pub struct Answer {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: Bytes,
+    pub trailers: Option<HeaderMap>,
 }
 
 impl Answer {
@@ -134,6 +135,36 @@ impl Answer {
         self.headers
             .get("idempotent-replayed")
             .is_some_and(|v| v == "true")
+    }
+
+    /// The `type` of a problem answer (which must be `application/problem+json`).
+    pub fn problem_type(&self) -> String {
+        assert_eq!(
+            self.headers["content-type"], "application/problem+json",
+            "{self:?}"
+        );
+        self.json()["type"].as_str().unwrap().to_owned()
+    }
+}
+
+/// Sends one request through a service in process and reads the whole answer.
+pub async fn call<S, B>(service: &S, request: Request<axum::body::Body>) -> Answer
+where
+    S: tower::Service<Request<axum::body::Body>, Response = http::Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
+{
+    use tower::ServiceExt;
+    let response = service.clone().oneshot(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let collected = body.collect().await.unwrap();
+    let trailers = collected.trailers().cloned();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body: collected.to_bytes(),
+        trailers,
     }
 }
 
@@ -159,6 +190,7 @@ pub async fn send(
         status: parts.status,
         headers: parts.headers,
         body,
+        trailers: None,
     })
 }
 
