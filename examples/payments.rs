@@ -144,9 +144,9 @@ async fn create_payment(
     Json(new): Json<NewPayment>,
 ) -> Response {
     if new.amount_cents <= 0 || new.currency.len() != 3 || new.customer.is_empty() {
-        // A 4xx is stored too: retrying an invalid payment gets the same answer.
+        // Nothing was done: a 422 releases the key, so the corrected payment can use it.
         return problem(
-            StatusCode::BAD_REQUEST,
+            StatusCode::UNPROCESSABLE_ENTITY,
             "invalid payment",
             "amount_cents must be positive, currency a 3-letter code, customer non-empty",
         );
@@ -378,10 +378,12 @@ async fn main() {
         .require_key(true)
         .with_lease(env_millis("IDEMPOTENCY_LEASE_MS", 30_000));
 
+    // The layer guards the handler only: a 404 or a 405 never reaches it. Keys are scoped by
+    // the caller's credentials (the default): two callers with different `Authorization`
+    // headers never share a payment; requests without one share the anonymous scope.
     let app = Router::new()
-        .route("/payments", post(create_payment))
+        .route("/payments", post(create_payment).route_layer(layer))
         .route("/payments/{id}", get(get_payment))
-        .layer(layer)
         .with_state(Arc::new(state));
 
     let port = env::var("PORT")

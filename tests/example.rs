@@ -3,7 +3,7 @@
 mod support;
 
 use http::{Method, StatusCode};
-use support::{Proc, post_json, send};
+use support::{Proc, TestSchema, database_url, post_json, send, url_in_schema};
 
 const PAYMENT: &str = r#"{"amount_cents": 4900, "currency": "usd", "customer": "cus_1"}"#;
 
@@ -50,6 +50,83 @@ async fn payments_example_creates_replays_and_refuses() {
         .await
         .unwrap();
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
+}
+
+/// Payment rows the example wrote for `key`: counted where they are, in Postgres.
+async fn rows(schema: &TestSchema, key: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM payments WHERE idempotency_key = $1")
+        .bind(key)
+        .fetch_one(&schema.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn payments_example_lets_a_corrected_request_run_and_keeps_callers_apart() {
+    let schema = TestSchema::new().await;
+    let app = Proc::example(
+        "payments",
+        &[("DATABASE_URL", url_in_schema(&database_url(), &schema.name))],
+    )
+    .await;
+    let json = ("content-type", "application/json");
+
+    // A mistyped path (404), a method the route does not serve (405), no content type (415),
+    // an invalid payment (422): nothing ran, and the corrected request with the same key runs.
+    let key = ("idempotency-key", "order-fixed");
+    let typo = send(Method::POST, &app.url("/paymnts"), &[key, json], PAYMENT).await;
+    assert_eq!(typo.unwrap().status, StatusCode::NOT_FOUND);
+    let wrong = send(
+        Method::POST,
+        &app.url("/payments/p1"),
+        &[key, json],
+        PAYMENT,
+    )
+    .await;
+    assert_eq!(wrong.unwrap().status, StatusCode::METHOD_NOT_ALLOWED);
+    let untyped = send(Method::POST, &app.url("/payments"), &[key], PAYMENT).await;
+    assert_eq!(untyped.unwrap().status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let invalid = PAYMENT.replace("4900", "-1");
+    let refused = send(Method::POST, &app.url("/payments"), &[key, json], &invalid).await;
+    assert_eq!(refused.unwrap().status, StatusCode::UNPROCESSABLE_ENTITY);
+    let corrected = post_json(&app.url("/payments"), "order-fixed", PAYMENT)
+        .await
+        .unwrap();
+    assert_eq!(corrected.status, StatusCode::CREATED);
+    assert!(!corrected.replayed());
+    let retry = post_json(&app.url("/payments"), "order-fixed", PAYMENT)
+        .await
+        .unwrap();
+    assert!(retry.replayed());
+    assert_eq!(rows(&schema, "order-fixed").await, 1);
+
+    // Two callers with different credentials, the same key and body: two payments.
+    let as_caller = |token: &'static str| {
+        let url = app.url("/payments");
+        async move {
+            let authorization = format!("Bearer {token}");
+            send(
+                Method::POST,
+                &url,
+                &[
+                    ("idempotency-key", "order-shared"),
+                    json,
+                    ("authorization", &authorization),
+                ],
+                PAYMENT,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let alice = as_caller("alice").await;
+    let bob = as_caller("bob").await;
+    assert!(!alice.replayed() && !bob.replayed());
+    assert_ne!(alice.json()["id"], bob.json()["id"]);
+    assert_eq!(as_caller("alice").await.json()["id"], alice.json()["id"]);
+    assert_eq!(rows(&schema, "order-shared").await, 2);
+    drop(app);
+    schema.drop().await;
 }
 
 #[tokio::test]
