@@ -9,7 +9,9 @@
 //! `grpc-retry-pushback-ms`); the same key with another message gets FAILED_PRECONDITION; a call
 //! that ends UNAVAILABLE (and the like) leaves the key free for a clean retry.
 //!
-//! It runs on the in-memory store; see `payments.rs` for Redis and Postgres.
+//! It runs on the in-memory store; see `payments.rs` for Redis and Postgres. As there,
+//! `IDEMPOTENCY_LEASE_MS` sets the claim lease (30000), `IDEMPOTENCY_WAIT_MS` how long a duplicate
+//! waits for the first call (10000), and `PAYMENTS_WORK_MS` simulated work per payment (0).
 
 #[path = "grpc/payments_proto.rs"]
 mod payments_proto;
@@ -19,17 +21,21 @@ use std::{
     env,
     net::{Ipv4Addr, SocketAddr},
     sync::Mutex,
+    time::Duration,
 };
 
 use payments_proto::{CreatePaymentRequest, Payment, Payments, PaymentsServer};
 use tonic::{Request, Response, Status};
-use tower_idempotency::{IdempotencyClaim, IdempotencyLayer, MemoryStore};
+use tower_idempotency::{
+    DEFAULT_LEASE, DEFAULT_WAIT, IdempotencyClaim, IdempotencyLayer, MemoryStore,
+};
 
 /// Payments, and the charges the mock provider made per key (never more than one).
 #[derive(Default)]
 struct Ledger {
     payments: Mutex<HashMap<String, Payment>>,
     charges: Mutex<HashMap<String, u32>>,
+    work: Duration,
 }
 
 impl Payments for Ledger {
@@ -50,6 +56,7 @@ impl Payments for Ledger {
                 "amount_cents must be positive, currency a 3-letter code, customer non-empty",
             ));
         }
+        tokio::time::sleep(self.work).await;
         let key = claim.key().to_string();
         *self.charges.lock().unwrap().entry(key.clone()).or_default() += 1;
         let payment = Payment {
@@ -68,6 +75,13 @@ impl Payments for Ledger {
     }
 }
 
+fn env_millis(name: &str, default: Duration) -> Duration {
+    env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(default, Duration::from_millis)
+}
+
 #[tokio::main]
 async fn main() {
     tracing_subscriber::fmt()
@@ -84,9 +98,18 @@ async fn main() {
     tracing::warn!("running on the in-memory store, which protects this single process only");
     tracing::info!("gRPC payments listening on {addr}");
 
+    let ledger = Ledger {
+        work: env_millis("PAYMENTS_WORK_MS", Duration::ZERO),
+        ..Ledger::default()
+    };
     tonic::transport::Server::builder()
-        .layer(IdempotencyLayer::new(MemoryStore::new()).require_key(true))
-        .add_service(PaymentsServer::new(Ledger::default()))
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .require_key(true)
+                .with_lease(env_millis("IDEMPOTENCY_LEASE_MS", DEFAULT_LEASE))
+                .with_wait(env_millis("IDEMPOTENCY_WAIT_MS", DEFAULT_WAIT)),
+        )
+        .add_service(PaymentsServer::new(ledger))
         .serve(addr)
         .await
         .unwrap_or_else(|e| {

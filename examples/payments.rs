@@ -17,7 +17,9 @@
 //! | `PROVIDER_URL` | charge through an HTTP payment provider (`POST {url}/charges`) instead of the built-in mock |
 //! | `PORT` | listening port on 127.0.0.1 (3000) |
 //! | `IDEMPOTENCY_LEASE_MS` | the claim lease (30000) |
-//! | `PAYMENTS_WORK_MS` | simulated work (fraud scoring) before the payment is written (0) |
+//! | `IDEMPOTENCY_WAIT_MS` | how long a duplicate waits for the first request (10000) |
+//! | `PAYMENTS_WORK_MS` | simulated work (fraud scoring) before the payment is written; on Postgres, inside its fenced transaction (0) |
+//! | `PAYMENTS_PAUSE_AFTER_COMMIT_MS` | a pause after the payment's transaction commits, before the answer (0) |
 //!
 //! With neither URL set, everything lives in memory: fine to try, no protection across processes.
 
@@ -31,6 +33,7 @@ use std::{
 
 use axum::{
     Json, Router,
+    body::Body,
     extract::{Path, State},
     http::{HeaderValue, Request, StatusCode, header},
     response::{IntoResponse, Response},
@@ -126,6 +129,7 @@ struct AppState {
     ledger: Ledger,
     provider: Provider,
     work: Duration,
+    pause_after_commit: Duration,
 }
 
 fn problem(status: StatusCode, title: &str, detail: impl std::fmt::Display) -> Response {
@@ -151,9 +155,6 @@ async fn create_payment(
             "amount_cents must be positive, currency a 3-letter code, customer non-empty",
         );
     }
-    // Fraud scoring, address checks…: work done before anything is written.
-    tokio::time::sleep(state.work).await;
-
     let key = claim.key().as_str();
     let mut payment = Payment {
         id: format!("pay_{}", uuid::Uuid::new_v4().simple()),
@@ -164,8 +165,10 @@ async fn create_payment(
         charge_id: String::new(),
         idempotency_key: key.to_owned(),
     };
-    match &state.ledger {
+    let response = match &state.ledger {
         Ledger::Memory(payments) => {
+            // Fraud scoring, address checks…
+            tokio::time::sleep(state.work).await;
             payment.charge_id = match state.provider.charge(key, payment.amount_cents).await {
                 Ok(charge) => charge,
                 Err(error) => return problem(StatusCode::BAD_GATEWAY, "provider failed", error),
@@ -174,32 +177,40 @@ async fn create_payment(
                 .lock()
                 .unwrap()
                 .insert(payment.id.clone(), payment.clone());
+            created(&payment)
         }
-        Ledger::Postgres(pool) => {
-            if let Err(response) = record_payment(pool, &state.provider, &claim, &mut payment).await
-            {
-                return response;
-            }
-        }
-    }
-    let location = format!("/payments/{}", payment.id);
-    (
-        StatusCode::CREATED,
-        [(header::LOCATION, location)],
-        Json(payment),
-    )
-        .into_response()
+        Ledger::Postgres(pool) => match record_payment(pool, &state, &claim, &mut payment).await {
+            Ok(response) => response,
+            Err(response) => return response,
+        },
+    };
+    response.map(Body::from)
 }
 
-/// Charges and writes the payment in one transaction, fenced: the fence comes first, so an
-/// attempt that lost its claim (its lease ran out during a stall and a retry took the key over)
-/// stops before charging, and while this attempt holds the fence no retry can take it over.
+/// The 201 a new payment is answered with.
+fn created(payment: &Payment) -> http::Response<Bytes> {
+    let body = serde_json::to_vec(payment).expect("a payment serializes");
+    http::Response::builder()
+        .status(StatusCode::CREATED)
+        .header(header::LOCATION, format!("/payments/{}", payment.id))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Bytes::from(body))
+        .expect("a valid response")
+}
+
+/// Charges and writes the payment in one transaction, fenced, and stores the answer with it.
+///
+/// The fence comes first, so an attempt that lost its claim (its lease ran out during a stall and
+/// a retry took the key over) stops before charging, and while this attempt holds the fence no
+/// retry can take it over. The answer is stored in the same transaction
+/// (`commit_with_response`): if this instance dies once the payment is committed, a retry on
+/// another instance gets this payment at once, never a second one and never "outcome unknown".
 async fn record_payment(
     pool: &PgPool,
-    provider: &Provider,
+    state: &AppState,
     claim: &IdempotencyClaim,
     payment: &mut Payment,
-) -> Result<(), Response> {
+) -> Result<http::Response<Bytes>, Response> {
     let unavailable = |error: sqlx::Error| {
         problem(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -207,22 +218,23 @@ async fn record_payment(
             error,
         )
     };
-    let mut tx = pool.begin().await.map_err(unavailable)?;
-    match claim.commit(&mut tx).await {
-        Ok(()) => {}
-        Err(error @ FenceError::LeaseLost { .. }) => {
+    let fence_failed = |error| match error {
+        error @ FenceError::LeaseLost { .. } => {
             tracing::warn!(%error, "stale attempt stopped by the fence");
-            return Err(problem(StatusCode::CONFLICT, "claim lost", error));
+            problem(StatusCode::CONFLICT, "claim lost", error)
         }
-        Err(error) => {
-            return Err(problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "database unavailable",
-                error,
-            ));
-        }
-    }
-    payment.charge_id = provider
+        error => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database unavailable",
+            error,
+        ),
+    };
+    let mut tx = pool.begin().await.map_err(unavailable)?;
+    claim.commit(&mut tx).await.map_err(fence_failed)?;
+    // Fraud scoring, address checks…: slow work inside the fenced transaction.
+    tokio::time::sleep(state.work).await;
+    payment.charge_id = state
+        .provider
         .charge(claim.key().as_str(), payment.amount_cents)
         .await
         .map_err(|error| problem(StatusCode::BAD_GATEWAY, "provider failed", error))?;
@@ -240,7 +252,16 @@ async fn record_payment(
     .execute(&mut *tx)
     .await
     .map_err(unavailable)?;
-    tx.commit().await.map_err(unavailable)
+    let response = created(payment);
+    claim
+        .commit_with_response(&mut tx, &response)
+        .await
+        .map_err(fence_failed)?;
+    tx.commit().await.map_err(unavailable)?;
+    // A pause between the commit and the answer, where a crash leaves a committed payment
+    // whose response the layer has not stored yet (fault tests use it).
+    tokio::time::sleep(state.pause_after_commit).await;
+    Ok(response)
 }
 
 async fn get_payment(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
@@ -373,10 +394,12 @@ async fn main() {
         ledger,
         provider,
         work: env_millis("PAYMENTS_WORK_MS", 0),
+        pause_after_commit: env_millis("PAYMENTS_PAUSE_AFTER_COMMIT_MS", 0),
     };
     let layer = IdempotencyLayer::from_shared_store(store)
         .require_key(true)
-        .with_lease(env_millis("IDEMPOTENCY_LEASE_MS", 30_000));
+        .with_lease(env_millis("IDEMPOTENCY_LEASE_MS", 30_000))
+        .with_wait(env_millis("IDEMPOTENCY_WAIT_MS", 10_000));
 
     // The layer guards the handler only: a 404 or a 405 never reaches it. Keys are scoped by
     // the caller's credentials (the default): two callers with different `Authorization`

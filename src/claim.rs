@@ -1,13 +1,13 @@
 //! The request extension a guarded handler runs under.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use uuid::Uuid;
 
-use crate::{IdempotencyKey, store::Lease};
+use crate::{IdempotencyKey, response::StoreRules, store::Lease};
 
 /// The claim the current request holds: inserted into the request extensions by the layer before
-/// the handler runs, for requests that carry an `Idempotency-Key`.
+/// the handler runs, for requests that carry an idempotency key.
 ///
 /// Handlers use it to forward the key to downstream providers (so a payment provider deduplicates
 /// too), to log it, and (with the `postgres` feature) to fence their business write: see
@@ -19,13 +19,43 @@ use crate::{IdempotencyKey, store::Lease};
 pub struct IdempotencyClaim {
     lease: Lease,
     retention: Duration,
+    lease_duration: Duration,
+    rules: Arc<StoreRules>,
 }
 
 impl IdempotencyClaim {
-    /// The claim for `lease`, kept for `retention` once finished. The layer builds it for every
-    /// guarded request; this constructor lets a handler be tested without the layer.
+    /// The claim for `lease`, kept for `retention` once finished, with the default lease length
+    /// and storage rules. The layer builds it for every guarded request; this constructor lets
+    /// a handler be tested without the layer.
     pub fn new(lease: Lease, retention: Duration) -> Self {
-        Self { lease, retention }
+        Self {
+            lease,
+            retention,
+            lease_duration: crate::DEFAULT_LEASE,
+            rules: Arc::default(),
+        }
+    }
+
+    /// The lease length the fence restarts the lease with (the layer's; 30 s for a claim built
+    /// with [`new`](Self::new)).
+    pub fn with_lease_duration(mut self, lease: Duration) -> Self {
+        self.lease_duration = lease;
+        self
+    }
+
+    /// The claim the layer hands to a handler.
+    pub(crate) fn granted(
+        lease: Lease,
+        retention: Duration,
+        lease_duration: Duration,
+        rules: Arc<StoreRules>,
+    ) -> Self {
+        Self {
+            lease,
+            retention,
+            lease_duration,
+            rules,
+        }
     }
 
     /// The idempotency key, as the client sent it (unquoted).
@@ -67,12 +97,12 @@ impl IdempotencyClaim {
     /// ```no_run
     /// # async fn handler(pool: sqlx::PgPool, claim: tower_idempotency::IdempotencyClaim) -> Result<(), Box<dyn std::error::Error>> {
     /// let mut tx = pool.begin().await?;
+    /// claim.commit(&mut tx).await?; // FenceError::LeaseLost: drop `tx`, nothing is written
     /// sqlx::query("INSERT INTO payments (id, amount_cents) VALUES ($1, $2)")
     ///     .bind("pay_1")
     ///     .bind(4900_i64)
     ///     .execute(&mut *tx)
     ///     .await?;
-    /// claim.commit(&mut tx).await?; // FenceError::LeaseLost: drop `tx`, nothing is written
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
@@ -81,18 +111,60 @@ impl IdempotencyClaim {
     /// gets [`FenceError::LeaseLost`](crate::store::FenceError::LeaseLost) and its transaction
     /// rolls back: exactly one business commit per key, even when two attempts ran. Once the
     /// transaction commits, the key can no longer be released or reclaimed: the layer completes
-    /// it whatever the response, and if the instance dies before that, retries get an
-    /// `outcome-unknown` problem, never a second execution.
+    /// it whatever the response.
     ///
-    /// The row is locked until the transaction ends: keep it short, since retries of this key
-    /// wait on it. Needs the Postgres store (alone or behind Redis), the `idempotency_keys`
-    /// table on the transaction's `search_path`, and the `postgres` feature.
+    /// If the instance dies after the commit and before the layer stored the response, retries
+    /// get an `outcome-unknown` problem, never a second execution; prefer
+    /// [`commit_with_response`](Self::commit_with_response), which stores the answer in the
+    /// same transaction.
+    ///
+    /// Called first, the fence stops a stale attempt before it does anything. The row stays
+    /// locked until the transaction ends; meanwhile the layer's renewals do not wait on it, and
+    /// retries of the key wait (or get 409) as for any request in flight. Needs the Postgres
+    /// store (alone or behind Redis), the `idempotency_keys` table on the transaction's
+    /// `search_path`, and the `postgres` feature.
     #[cfg(feature = "postgres")]
     pub async fn commit(
         &self,
         connection: &mut sqlx::PgConnection,
     ) -> Result<(), crate::store::FenceError> {
-        crate::store::commit(connection, &self.lease, self.retention).await
+        let times = (self.retention, self.lease_duration);
+        crate::store::commit(connection, &self.lease, times, None).await
+    }
+
+    /// The fence, and the answer with it: like [`commit`](Self::commit), and stores `response`
+    /// (what the handler is about to return) in the same transaction. If this instance dies
+    /// after the transaction commits, retries are answered with `response` at once, instead of
+    /// `outcome-unknown`; once the handler returns, the layer stores what it actually returned.
+    /// Return the same response, so that every retry sees one answer.
+    ///
+    /// ```no_run
+    /// # use axum::{body::Body, response::Response};
+    /// # async fn handler(pool: sqlx::PgPool, claim: tower_idempotency::IdempotencyClaim) -> Result<Response, Box<dyn std::error::Error>> {
+    /// let mut tx = pool.begin().await?;
+    /// claim.commit(&mut tx).await?; // first: a stale attempt stops here
+    /// sqlx::query("INSERT INTO payments (id) VALUES ($1)").bind("pay_1").execute(&mut *tx).await?;
+    /// let response = http::Response::builder()
+    ///     .status(201)
+    ///     .header("content-type", "application/json")
+    ///     .body(bytes::Bytes::from_static(br#"{"id":"pay_1"}"#))?;
+    /// claim.commit_with_response(&mut tx, &response).await?;
+    /// tx.commit().await?;
+    /// Ok(response.map(Body::from))
+    /// # }
+    /// ```
+    ///
+    /// The response is stored as the layer stores any: without per-exchange headers, and
+    /// without its body over the cache limit.
+    #[cfg(feature = "postgres")]
+    pub async fn commit_with_response(
+        &self,
+        connection: &mut sqlx::PgConnection,
+        response: &http::Response<bytes::Bytes>,
+    ) -> Result<(), crate::store::FenceError> {
+        let times = (self.retention, self.lease_duration);
+        let stored = self.rules.record(response);
+        crate::store::commit(connection, &self.lease, times, Some(&stored)).await
     }
 }
 

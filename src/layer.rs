@@ -3,12 +3,17 @@
 use std::{fmt, sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use http::{HeaderName, Method, header, request::Parts};
+use http::{HeaderName, Method, request::Parts};
 use tower_layer::Layer;
 
 use crate::{
-    CompletionPolicy, Idempotency, Metrics, fingerprint::BodyFingerprintFn, problem::Problem,
-    scope, store::Store,
+    CompletionPolicy, Idempotency, Metrics,
+    fingerprint::BodyFingerprintFn,
+    problem::Problem,
+    protocol::{Durations, Waiters},
+    response::StoreRules,
+    scope,
+    store::Store,
 };
 
 /// Applies [`Idempotency`] to a service. Build it once, with a store, and add it like any layer.
@@ -44,11 +49,12 @@ pub(crate) struct Config {
     pub(crate) fingerprint_body: Option<Arc<BodyFingerprintFn>>,
     pub(crate) max_request_body: usize,
     pub(crate) request_body_timeout: Duration,
-    pub(crate) max_response_body: usize,
+    pub(crate) store_rules: Arc<StoreRules>,
     pub(crate) lease: Duration,
     pub(crate) retention: Duration,
+    pub(crate) wait: Duration,
+    pub(crate) finalize_deadline: Duration,
     pub(crate) policy: CompletionPolicy,
-    pub(crate) unstored_headers: Vec<HeaderName>,
     pub(crate) problem_response: Option<Arc<ProblemFn>>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) shared: Arc<Shared>,
@@ -57,6 +63,10 @@ pub(crate) struct Config {
 /// What the services of one layer learn at run time and share.
 #[derive(Debug, Default)]
 pub(crate) struct Shared {
+    /// Requests waiting for a duplicate of theirs to finish.
+    pub(crate) waiters: Waiters,
+    /// Recent handler durations, for `Retry-After` hints.
+    pub(crate) durations: Durations,
     /// Whether the warning about a timeout layer inside this one was logged.
     pub(crate) warned_inner_timeout: std::sync::atomic::AtomicBool,
 }
@@ -74,32 +84,10 @@ pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// Default retention of completed keys: 24 hours.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
-
-/// Hop-by-hop headers describe one connection, not the response: never stored, never replayed.
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
-
-/// Response headers that describe one exchange rather than the outcome, not stored by default.
-fn per_exchange_headers() -> Vec<HeaderName> {
-    vec![
-        header::DATE,
-        header::SET_COOKIE,
-        HeaderName::from_static("x-request-id"),
-        HeaderName::from_static("request-id"),
-        HeaderName::from_static("traceparent"),
-        HeaderName::from_static("tracestate"),
-        HeaderName::from_static("server-timing"),
-    ]
-}
+/// Default time a duplicate waits for the first request with its key: 10 s.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(10);
+/// Default time a response that could not be stored is retried, with its key held: 10 minutes.
+pub const DEFAULT_FINALIZE_DEADLINE: Duration = Duration::from_secs(10 * 60);
 
 impl IdempotencyLayer {
     /// A layer on `store`, with the defaults: guards POST and PATCH; reads the key from
@@ -126,11 +114,12 @@ impl IdempotencyLayer {
                 fingerprint_body: None,
                 max_request_body: DEFAULT_MAX_REQUEST_BODY,
                 request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
-                max_response_body: DEFAULT_MAX_RESPONSE_BODY,
+                store_rules: Arc::default(),
                 lease: DEFAULT_LEASE,
                 retention: DEFAULT_RETENTION,
+                wait: DEFAULT_WAIT,
+                finalize_deadline: DEFAULT_FINALIZE_DEADLINE,
                 policy: CompletionPolicy::default(),
-                unstored_headers: per_exchange_headers(),
                 problem_response: None,
                 metrics: Arc::default(),
                 shared: Arc::default(),
@@ -239,7 +228,7 @@ impl IdempotencyLayer {
     /// caller in full and still completes the key (it never runs twice), but is stored without
     /// its body: retries get a `response-not-stored` problem.
     pub fn with_max_response_body(mut self, bytes: usize) -> Self {
-        self.config.max_response_body = bytes;
+        Arc::make_mut(&mut self.config.store_rules).max_body = bytes;
         self
     }
 
@@ -256,6 +245,30 @@ impl IdempotencyLayer {
         self
     }
 
+    /// How long a request whose key is in flight waits for the first request to finish (10 s by
+    /// default), and then gets its answer: the replay, or its own run if the first released the
+    /// key. Past it, the answer is 409 with a `Retry-After` drawn from recent handler durations.
+    /// `Duration::ZERO` answers 409 at once. A gRPC caller waits at most four fifths of its
+    /// `grpc-timeout`.
+    ///
+    /// A duplicate on the same instance is woken the moment the first request finalizes; one on
+    /// another instance polls the store (after 10 ms, doubling up to every 200 ms), each poll a
+    /// read. The default covers most handlers' durations while staying under common client and
+    /// proxy timeouts (30 to 60 s): keep it below any timeout in front of the layer.
+    pub fn with_wait(mut self, wait: Duration) -> Self {
+        self.config.wait = wait;
+        self
+    }
+
+    /// How long the layer keeps retrying to store a response when the store fails (10 minutes by
+    /// default). Meanwhile the key stays held, its lease renewed, so no retry runs the handler
+    /// again; the caller is answered after the first few attempts. Past it, the layer gives up,
+    /// logs an error, and the key frees itself when its lease runs out.
+    pub fn with_finalize_deadline(mut self, deadline: Duration) -> Self {
+        self.config.finalize_deadline = deadline;
+        self
+    }
+
     /// Which responses are stored and which release the key.
     pub fn with_completion_policy(mut self, policy: CompletionPolicy) -> Self {
         self.config.policy = policy;
@@ -267,7 +280,7 @@ impl IdempotencyLayer {
     /// `X-Request-Id`, `Request-Id`, `Traceparent`, `Tracestate` and `Server-Timing` (they
     /// describe the first exchange, not the outcome).
     pub fn with_unstored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.config.unstored_headers = headers.into_iter().collect();
+        Arc::make_mut(&mut self.config.store_rules).unstored = headers.into_iter().collect();
         self
     }
 
@@ -305,12 +318,6 @@ impl IdempotencyLayer {
     }
 }
 
-impl Config {
-    pub(crate) fn stores_header(&self, name: &HeaderName) -> bool {
-        !HOP_BY_HOP.contains(&name.as_str()) && !self.unstored_headers.contains(name)
-    }
-}
-
 impl<S> Layer<S> for IdempotencyLayer {
     type Service = Idempotency<S>;
 
@@ -328,10 +335,12 @@ impl fmt::Debug for IdempotencyLayer {
             .field("fingerprint_headers", &self.config.fingerprint_headers)
             .field("max_request_body", &self.config.max_request_body)
             .field("request_body_timeout", &self.config.request_body_timeout)
-            .field("max_response_body", &self.config.max_response_body)
+            .field("max_response_body", &self.config.store_rules.max_body)
             .field("lease", &self.config.lease)
             .field("retention", &self.config.retention)
-            .field("unstored_headers", &self.config.unstored_headers)
+            .field("wait", &self.config.wait)
+            .field("finalize_deadline", &self.config.finalize_deadline)
+            .field("unstored_headers", &self.config.store_rules.unstored)
             .finish_non_exhaustive()
     }
 }

@@ -6,7 +6,8 @@
 //! use tower_idempotency::{IdempotencyClaim, IdempotencyLayer, MemoryStore};
 //!
 //! async fn pay(claim: IdempotencyClaim, Json(body): Json<serde_json::Value>) -> Json<serde_json::Value> {
-//!     // Runs at most once per key; forward the key so the provider deduplicates too.
+//!     // Runs once per key across the fleet while its process is healthy; fence business writes
+//!     // (`claim.commit`) for exactly-once commits. Forward the key so the provider deduplicates.
 //!     Json(serde_json::json!({ "charged": body["amount_cents"], "key": claim.key().as_str() }))
 //! }
 //!
@@ -29,7 +30,7 @@
 //! |---|---|
 //! | first request with the key | the handler runs; its response is stored and returned |
 //! | retry after it completed | the stored response: same status, headers, body and trailers, plus `Idempotent-Replayed: true` |
-//! | retry while the first is still running | 409 with `Retry-After` |
+//! | retry while the first is still running | waits for it (10 s by default) and gets its answer; then 409 with `Retry-After` |
 //! | same key, different method, path, query, `Content-Type`, body (or configured headers) | 422 |
 //! | same key, different credentials | a record of its own (see [`scope`]) |
 //! | malformed, empty, oversize, repeated or listed key | 400 |
@@ -52,9 +53,10 @@
 //!    SHA-256 over method, path and query as the client sent them, `Content-Type`, configured
 //!    headers and body.
 //! 3. The key is **claimed** in the [`Store`](store::Store) with a fresh owner token, a fence
-//!    number and a lease. No request reaches the handler without a claim.
-//! 4. The handler runs in a task of its own, so it finishes even if the client disconnects; the
-//!    lease is renewed while it runs, and a panic becomes a 500 that frees the key.
+//!    number and a lease. No request reaches the handler without a claim. A request that finds
+//!    its key in flight waits for the first one ([`IdempotencyLayer::with_wait`]).
+//! 4. The handler runs in a task of its own, so it finishes even if the client disconnects;
+//!    another task renews the lease while it runs, and a panic becomes a 500 that frees the key.
 //! 5. The key is **completed** (response stored) or **released** (deleted) according to the
 //!    [`CompletionPolicy`], but only if this owner still holds it; then the response is sent, so
 //!    a caller holding its answer finds the key final. A response over the cache limit streams
@@ -62,6 +64,16 @@
 //!
 //! The handler finds an [`IdempotencyClaim`] in the request extensions: the key, the scope and
 //! the fence.
+//!
+//! # What is promised
+//!
+//! Every retry with the same request converges to the same response: the stored one, or after a
+//! wait, or a 409 that says when to come back. With the Postgres fence
+//! (`IdempotencyClaim::commit` in the handler's own transaction) the business write commits at
+//! most once per key across the fleet, whatever stalls, crashes or store outages do. Without it,
+//! the handler runs once per key while its process is healthy: a process stalled past its lease
+//! loses the key and a retry may run the handler again; forward the key to a downstream that
+//! deduplicates on it, or fence.
 //!
 //! # Composing with other layers
 //!
@@ -94,7 +106,8 @@
 //! - Guarded request bodies are buffered in memory (1 MiB by default), and so are response
 //!   bodies up to the cache limit (1 MiB by default); larger responses stream through but are
 //!   stored without their body. Request trailers are not forwarded on guarded requests.
-//! - Guarded requests need a Tokio runtime (`tokio::spawn`).
+//! - Guarded requests need a Tokio runtime (`tokio::spawn`). Renewals run in a task of their own;
+//!   on a current-thread runtime, a handler that blocks the thread blocks them too.
 //!
 //! # Features
 //!
@@ -139,8 +152,9 @@ pub use self::{
     future::ResponseFuture,
     key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN},
     layer::{
-        DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY,
-        DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_RETENTION, IdempotencyLayer,
+        DEFAULT_FINALIZE_DEADLINE, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY,
+        DEFAULT_MAX_RESPONSE_BODY, DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_RETENTION, DEFAULT_WAIT,
+        IdempotencyLayer,
     },
     metrics::{Metrics, MetricsSnapshot},
     policy::{Completion, CompletionPolicy, ResponseSummary},

@@ -41,8 +41,10 @@ counters! {
     completions,
     /// Keys released for a clean retry.
     releases,
-    /// 409 answers to a request whose key was in flight (or committed by an owner that died
-    /// before storing its response).
+    /// Requests that found their key in flight and waited for the first request to finish.
+    waits,
+    /// 409 answers to a request whose key was still in flight after the wait (or committed by an
+    /// owner that died before storing its response).
     in_flight,
     /// 422 answers to a key reused with a different request.
     mismatches,
@@ -57,7 +59,8 @@ counters! {
     /// Renewals or finalizations refused because the lease had been lost: the stale owner wrote
     /// nothing. Worth an alert: lease too short, or instances stalling.
     leases_lost,
-    /// Finalizations that failed on a store error (the key stays in flight until its lease ends).
+    /// Finalizations that still failed after the first quick retries: the response is then
+    /// retried in the background, with the key held, until the finalize deadline.
     finalize_errors,
     /// Handlers that panicked or returned a service error.
     handler_failures,

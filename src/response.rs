@@ -1,7 +1,7 @@
 //! The stored outcome of a request, and its binary encoding.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
 /// What a completed request answered, as stored and replayed.
 ///
@@ -141,6 +141,68 @@ impl StoredResponse {
             return Err(DecodeError::TrailingBytes);
         }
         Ok(Self::new(status, headers, body, trailers).with_varied_request_headers(varied))
+    }
+}
+
+/// What of a response is stored: every header but the hop-by-hop ones and the configured
+/// per-exchange ones, and the body up to the cache limit.
+#[derive(Debug, Clone)]
+pub(crate) struct StoreRules {
+    pub(crate) unstored: Vec<HeaderName>,
+    pub(crate) max_body: usize,
+}
+
+/// Hop-by-hop headers describe one connection, not the response: never stored, never replayed.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+impl StoreRules {
+    /// The response headers kept for replay, in their order.
+    pub(crate) fn headers(&self, headers: &HeaderMap) -> HeaderMap {
+        let mut kept = HeaderMap::with_capacity(headers.len());
+        for (name, value) in headers {
+            if !HOP_BY_HOP.contains(&name.as_str()) && !self.unstored.contains(name) {
+                kept.append(name, value.clone());
+            }
+        }
+        kept
+    }
+
+    /// A whole response as it is stored: its body only within the cache limit.
+    pub(crate) fn record(&self, response: &http::Response<Bytes>) -> StoredResponse {
+        let body = (response.body().len() <= self.max_body).then(|| response.body().clone());
+        StoredResponse::new(
+            response.status(),
+            self.headers(response.headers()),
+            body,
+            None,
+        )
+    }
+}
+
+impl Default for StoreRules {
+    fn default() -> Self {
+        Self {
+            unstored: vec![
+                header::DATE,
+                header::SET_COOKIE,
+                HeaderName::from_static("x-request-id"),
+                HeaderName::from_static("request-id"),
+                HeaderName::from_static("traceparent"),
+                HeaderName::from_static("tracestate"),
+                HeaderName::from_static("server-timing"),
+            ],
+            max_body: crate::DEFAULT_MAX_RESPONSE_BODY,
+        }
     }
 }
 

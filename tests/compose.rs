@@ -493,7 +493,7 @@ async fn cors_inside_never_replays_one_origin_to_another_and_outside_answers_eve
                 }
             }),
         )
-        .layer(IdempotencyLayer::new(store))
+        .layer(IdempotencyLayer::new(store).with_wait(Duration::ZERO))
         .layer(cors())
         .with_state(runs.clone());
     let first = tokio::spawn({

@@ -188,12 +188,14 @@ async fn behaves_like_http(layer: IdempotencyLayer) {
     assert_eq!(unkeyed.code(), Code::InvalidArgument);
     assert_eq!(probe.runs.load(SeqCst), 6);
 
-    // A concurrent call while the first runs: a status clients retry, with a pushback hint.
+    // A concurrent call while the first runs waits for its answer; past the wait, a status
+    // clients retry, with a pushback hint.
     let gated = Probe {
         gate: Some(Arc::new(Semaphore::new(0))),
         ..Probe::default()
     };
-    let mut gated_client = serve(layer, &gated).await;
+    let mut gated_client = serve(layer.clone().with_wait(Duration::ZERO), &gated).await;
+    let mut waiting_client = serve(layer, &gated).await;
     let first = tokio::spawn({
         let mut client = gated_client.clone();
         async move { client.create_payment(create("g-4", 700)).await }
@@ -213,8 +215,14 @@ async fn behaves_like_http(layer: IdempotencyLayer) {
         .parse()
         .unwrap();
     assert!(pushback > 0);
+    let waiting =
+        tokio::spawn(async move { waiting_client.create_payment(create("g-4", 700)).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
     gated.gate.as_ref().unwrap().add_permits(1);
     let first = first.await.unwrap().unwrap();
+    let waited = waiting.await.unwrap().unwrap();
+    assert!(replayed(&waited));
+    assert_eq!(waited.get_ref(), first.get_ref());
     let replay = gated_client
         .create_payment(create("g-4", 700))
         .await
@@ -263,4 +271,41 @@ async fn the_grpc_example_charges_once() {
         .await
         .unwrap_err();
     assert_eq!(unkeyed.code(), Code::InvalidArgument);
+}
+
+#[tokio::test]
+async fn the_grpc_example_honours_its_lease_and_wait_settings() {
+    let pushback_with = |env: Vec<(&'static str, String)>| async move {
+        let mut env = env;
+        env.extend([
+            ("IDEMPOTENCY_WAIT_MS", "0".to_owned()),
+            ("PAYMENTS_WORK_MS", "1500".to_owned()),
+        ]);
+        let app = support::Proc::example("grpc_payments", &env).await;
+        let url = format!("http://127.0.0.1:{}", app.port);
+        let mut client = PaymentsClient::connect(url).await.unwrap();
+        let first = tokio::spawn({
+            let mut client = client.clone();
+            async move { client.create_payment(create("lease-1", 100)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let busy = client
+            .create_payment(create("lease-1", 100))
+            .await
+            .unwrap_err();
+        assert_eq!(busy.code(), Code::Aborted, "{busy:?}");
+        first.await.unwrap().unwrap();
+        busy.metadata()
+            .get("grpc-retry-pushback-ms")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
+    // The pushback never exceeds what is left of the lease: 400 ms here, 30 s by default.
+    let short = pushback_with(vec![("IDEMPOTENCY_LEASE_MS", "400".to_owned())]).await;
+    let default = pushback_with(Vec::new()).await;
+    assert!(short <= 400, "pushback {short} ms past a 400 ms lease");
+    assert!(default > 400, "pushback {default} ms");
 }

@@ -155,39 +155,90 @@ where
 }
 
 #[tokio::test]
-async fn concurrent_requests_on_two_instances_run_once_then_replay() {
+async fn a_duplicate_on_another_instance_waits_for_the_first_and_gets_its_answer() {
     let store = MemoryStore::new();
     let probe = Probe::gated();
     let a = app(&IdempotencyLayer::new(store.clone()), &probe);
-    let b = app(&IdempotencyLayer::new(store.clone()), &probe);
+    let b_layer = IdempotencyLayer::new(store.clone());
+    let b = app(&b_layer, &probe);
 
     let first = tokio::spawn({
         let a = a.clone();
         async move { send(&a, post_payment("k-1", r#"{"amount":1}"#)).await }
     });
     probe.started.notified().await;
-
-    let conflict = send(&b, post_payment("k-1", r#"{"amount":1}"#)).await;
-    assert_eq!(conflict.status, StatusCode::CONFLICT);
-    assert_eq!(conflict.problem_type(), problem::IN_FLIGHT);
-    let retry_after: u64 = conflict.headers["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!((1..=30).contains(&retry_after), "Retry-After {retry_after}");
-    assert_eq!(conflict.json()["idempotency_key"], "k-1");
-
+    let duplicate = tokio::spawn({
+        let b = b.clone();
+        async move { send(&b, post_payment("k-1", r#"{"amount":1}"#)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!duplicate.is_finished(), "the duplicate did not wait");
     probe.release_gate();
+
     let first = first.await.unwrap();
+    let duplicate = duplicate.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(!first.replayed());
-
-    let replay = send(&b, post_payment("k-1", r#"{"amount":1}"#)).await;
-    assert_eq!(replay.status, StatusCode::CREATED);
-    assert!(replay.replayed());
-    assert_eq!(replay.body, first.body);
+    assert_eq!(duplicate.status, StatusCode::CREATED);
+    assert!(duplicate.replayed());
+    assert_eq!(duplicate.body, first.body);
     assert_eq!(probe.runs(), 1);
+    assert_eq!(b_layer.metrics().snapshot().waits, 1);
+}
+
+#[tokio::test]
+async fn past_the_wait_a_duplicate_gets_409_with_a_retry_after_from_recent_handlers() {
+    let store = MemoryStore::new();
+    let probe = Probe::gated();
+    let layer = IdempotencyLayer::new(store.clone()).with_wait(Duration::from_millis(100));
+    let app = app(&layer, &probe);
+    // Handlers have been quick lately.
+    probe.release_gate();
+    for i in 0..5 {
+        send(&app, post_payment(&format!("quick-{i}"), "{}")).await;
+    }
+    let gated = Probe::gated();
+    let slow = self::app(&layer, &gated);
+    let first = tokio::spawn({
+        let slow = slow.clone();
+        async move { send(&slow, post_payment("k-409", "{}")).await }
+    });
+    gated.started.notified().await;
+
+    let conflict = send(&slow, post_payment("k-409", "{}")).await;
+    assert_eq!(conflict.status, StatusCode::CONFLICT);
+    assert_eq!(conflict.problem_type(), problem::IN_FLIGHT);
+    assert_eq!(conflict.json()["idempotency_key"], "k-409");
+    // Not the 30 s left on the lease: the handlers' recent durations, in whole seconds.
+    assert_eq!(conflict.headers["retry-after"], "1");
+
+    gated.release_gate();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert!(send(&slow, post_payment("k-409", "{}")).await.replayed());
+    assert_eq!(gated.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_waiting_duplicate_runs_itself_when_the_first_releases_the_key() {
+    let probe = Probe::gated();
+    let app = app(&IdempotencyLayer::new(MemoryStore::new()), &probe);
+    let status = || request(Method::POST, "/status", Some("k-release"), "503");
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, status()).await }
+    });
+    probe.started.notified().await;
+    let duplicate = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, status()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    probe.release_gate();
+    assert_eq!(first.await.unwrap().status, StatusCode::SERVICE_UNAVAILABLE);
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(duplicate.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!duplicate.replayed(), "a released key was replayed");
+    assert_eq!(probe.runs(), 2);
 }
 
 #[tokio::test]
@@ -629,7 +680,9 @@ async fn trailers_are_replayed() {
 #[tokio::test]
 async fn a_live_handler_keeps_its_lease_past_the_lease_length() {
     let probe = Probe::gated();
-    let layer = IdempotencyLayer::new(MemoryStore::new()).with_lease(Duration::from_millis(300));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_lease(Duration::from_millis(300))
+        .with_wait(Duration::ZERO);
     let app = app(&layer, &probe);
     let first = tokio::spawn({
         let app = app.clone();

@@ -91,7 +91,7 @@ async fn the_fence_refuses_a_stale_owner_and_is_idempotent_for_the_current_one()
     let current_lease = acquire(&store, &current).await;
     assert!(current_lease.fence() > stale_lease.fence());
 
-    let claim_of = |lease: &Lease| claim_for(lease.clone());
+    let claim_of = |lease: &Lease| claim_for(lease.clone(), LONG);
     let mut tx = schema.pool.begin().await.unwrap();
     match claim_of(&stale_lease).commit(&mut tx).await {
         Err(FenceError::LeaseLost { record, fence }) => {
@@ -121,9 +121,9 @@ async fn the_fence_refuses_a_stale_owner_and_is_idempotent_for_the_current_one()
     schema.drop().await;
 }
 
-/// The claim a handler holding `lease` receives.
-fn claim_for(lease: Lease) -> IdempotencyClaim {
-    IdempotencyClaim::new(lease, LONG)
+/// The claim a handler holding `lease` receives, from a layer whose lease is `lease_duration`.
+fn claim_for(lease: Lease, lease_duration: Duration) -> IdempotencyClaim {
+    IdempotencyClaim::new(lease, LONG).with_lease_duration(lease_duration)
 }
 
 #[tokio::test]
@@ -133,11 +133,22 @@ async fn a_committed_key_whose_owner_died_never_runs_again() {
     let request = claim_request("k-orphan", Duration::from_millis(200));
     let lease = acquire(&store, &request).await;
     let mut tx = schema.pool.begin().await.unwrap();
-    claim_for(lease.clone()).commit(&mut tx).await.unwrap();
+    claim_for(lease.clone(), request.lease())
+        .commit(&mut tx)
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
 
-    // The owner "dies": no renewal, no completion. Its lease runs out, the commit stands.
+    // The owner "dies": no renewal, no completion. Its lease runs out, the commit stands. The
+    // first claim after that gives the owner half a lease to show it is alive.
     tokio::time::sleep(Duration::from_millis(500)).await;
+    match store.claim(&request).await.unwrap() {
+        ClaimOutcome::InFlight { retry_after } => {
+            assert_eq!(retry_after, request.lease() / 2)
+        }
+        other => panic!("a lapsed owner was declared dead without a grace: {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(store.claim(&request).await.unwrap(), ClaimOutcome::Orphaned);
     assert_eq!(
         store.claim(&claim_request("k-orphan", LONG)).await.unwrap(),
@@ -309,7 +320,7 @@ async fn an_orphaned_key_answers_outcome_unknown_through_the_layer() {
                 }
             }),
         )
-        .layer(IdempotencyLayer::new(store.clone()));
+        .layer(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_millis(100)));
 
     // An earlier attempt of this request claimed and committed, then its instance died.
     let parts = Request::post("/x").body(()).unwrap().into_parts().0;
@@ -324,7 +335,10 @@ async fn an_orphaned_key_answers_outcome_unknown_through_the_layer() {
     );
     let lease = acquire(&store, &dead).await;
     let mut tx = schema.pool.begin().await.unwrap();
-    claim_for(lease).commit(&mut tx).await.unwrap();
+    claim_for(lease, dead.lease())
+        .commit(&mut tx)
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
 
@@ -365,7 +379,7 @@ async fn the_sweeper_removes_only_expired_rows() {
         .unwrap();
     let lease = acquire(&store, &claim_request("committed", short)).await;
     let mut tx = schema.pool.begin().await.unwrap();
-    claim_for(lease).commit(&mut tx).await.unwrap();
+    claim_for(lease, short).commit(&mut tx).await.unwrap();
     tx.commit().await.unwrap();
 
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -558,5 +572,50 @@ async fn an_exhausted_pool_is_a_fast_503() {
     drop(held);
     assert_eq!(order(&app, "k-pool").await.status(), StatusCode::CREATED);
     pool.close().await;
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_client_gave_up_on_never_acquires_later() {
+    let schema = TestSchema::new().await;
+    // One connection, which has run the claim before: its statement is prepared, so the claim
+    // is sent whole and waits on the lock in the server.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(schema_options(&database_url(), &schema.name))
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool).with_timeout(Duration::from_millis(300));
+    acquire(&store, &claim_request("k-warm-up", LONG)).await;
+    // Another transaction holds the table: the claim waits on it and the client gives up.
+    let mut locker = schema.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let given_up = store.claim(&claim_request("k-given-up", LONG)).await;
+    assert!(
+        matches!(
+            given_up,
+            Err(tower_idempotency::store::StoreError::Timeout { .. })
+        ),
+        "{given_up:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(1));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    locker.commit().await.unwrap();
+    // The statement the client abandoned ran once the lock was gone: it must not have acquired.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE key = $1")
+        .bind("k-given-up")
+        .fetch_one(&schema.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        rows, 0,
+        "a claim the client gave up on acquired the key later"
+    );
+    acquire(&store, &claim_request("k-given-up", LONG)).await;
     schema.drop().await;
 }

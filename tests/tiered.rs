@@ -157,3 +157,116 @@ async fn postgres_failing_releases_the_redis_claim() {
         "Redis kept the claim of a request that did not run"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_reaches_a_frozen_redis_late_never_hides_a_completed_key() {
+    let mut server = RedisServer::start().await;
+    let schema = TestSchema::new().await;
+    let redis = RedisStore::open(&server.url())
+        .unwrap()
+        .with_timeout(Duration::from_millis(200))
+        .unwrap();
+    let store = TieredStore::new(redis.clone(), PostgresStore::new(schema.pool.clone()))
+        .with_breaker_cooldown(Duration::from_millis(100));
+    let lease = acquire(&store, &request("k-late")).await;
+    store
+        .complete(&lease, &created(), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let mut admin = redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let () = redis::cmd("FLUSHALL")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+
+    // Redis freezes with a claim of the key queued in it: the claim times out, and Postgres
+    // answers with the replay.
+    server.pause();
+    let late = request("k-late");
+    assert!(matches!(
+        store.claim(&late).await.unwrap(),
+        ClaimOutcome::Completed { .. }
+    ));
+    server.resume();
+    // The queued script runs once Redis thaws: Redis now holds an in-flight claim of a key
+    // Postgres has completed, which nobody will ever finish.
+    let key = redis.record_key(late.record());
+    let state = support::eventually(Duration::from_secs(5), "the late claim", || {
+        let mut admin = admin.clone();
+        let key = key.clone();
+        async move {
+            let state: Option<String> = redis::cmd("HGET")
+                .arg(&key)
+                .arg("st")
+                .query_async(&mut admin)
+                .await
+                .map_err(|e| e.to_string())?;
+            state.ok_or_else(|| "no record yet".to_owned())
+        }
+    })
+    .await;
+    assert_eq!(
+        state, "i",
+        "nothing was tested: the late claim left no record"
+    );
+
+    // Every retry is still the replay, never "in flight".
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let mut in_flight = 0;
+    for _ in 0..20 {
+        match store.claim(&request("k-late")).await.unwrap() {
+            ClaimOutcome::Completed { response, .. } => assert_eq!(*response, created()),
+            ClaimOutcome::InFlight { .. } => in_flight += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    println!(
+        "frozen Redis with a queued claim: 20 retries of a completed key, {in_flight} in flight"
+    );
+    assert_eq!(in_flight, 0);
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completed_keys_replay_from_redis_while_postgres_is_down_breaker_or_not() {
+    let mut server = RedisServer::start().await;
+    let mut cluster = support::PgCluster::start().await;
+    let pool = pool_in_schema(&cluster.url(), "public").await;
+    let redis = RedisStore::open(&server.url())
+        .unwrap()
+        .with_timeout(Duration::from_millis(200))
+        .unwrap();
+    let store = TieredStore::new(
+        redis.clone(),
+        PostgresStore::new(pool).with_timeout(Duration::from_secs(1)),
+    );
+    let lease = acquire(&store, &request("k-done")).await;
+    store
+        .complete(&lease, &created(), Duration::from_secs(3600))
+        .await
+        .unwrap();
+
+    // A Redis timeout opens the breaker (5 s by default)...
+    server.pause();
+    let other = acquire(&store, &request("k-other")).await;
+    server.resume();
+    assert!(store.front_skipped(), "the breaker did not open");
+    store.release(&other).await.unwrap();
+    // ...and Postgres goes down within it.
+    cluster.stop_server();
+    assert!(store.front_skipped());
+    match store.claim(&request("k-done")).await {
+        Ok(ClaimOutcome::Completed { response, .. }) => assert_eq!(*response, created()),
+        other => panic!("a completed key was not replayed from Redis: {other:?}"),
+    }
+    // An unknown key cannot run without Postgres, and Redis keeps no claim of it.
+    assert!(store.claim(&request("k-new")).await.is_err());
+    assert!(matches!(
+        redis.claim(&request("k-new")).await.unwrap(),
+        ClaimOutcome::Acquired { .. }
+    ));
+}

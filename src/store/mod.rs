@@ -72,7 +72,8 @@ pub trait Store: Send + Sync + 'static {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>>;
 
-    /// Extends the lease to `duration` from now, if `lease`'s owner still holds the key.
+    /// Extends the lease to `duration` from now, if `lease`'s owner still holds the key. Never
+    /// waits on a lock the handler's own transaction holds: answers [`Ownership::Busy`] instead.
     fn renew<'a>(
         &'a self,
         lease: &'a Lease,
@@ -282,6 +283,10 @@ pub enum Ownership {
     /// Answer to a release: the owner's handler committed, so the key cannot be released.
     /// Complete it instead.
     Committed,
+    /// Answer to a renewal: the owner still holds the key, but its record is locked by a
+    /// transaction (the handler's own fence, typically), so nothing was written. The lock itself
+    /// keeps the key from being reclaimed; renew again shortly.
+    Busy,
 }
 
 /// A store operation failed. The layer answers 503 and never runs the handler on a failed claim.

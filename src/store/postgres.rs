@@ -1,9 +1,12 @@
 //! The Postgres store: the source of truth, a row per key behind a primary key.
 
-use std::{future::Future, time::Duration};
+use std::{
+    future::Future,
+    time::{Duration, Instant},
+};
 
 use bytes::Bytes;
-use sqlx::{PgConnection, PgPool, Row, migrate::Migrator, postgres::PgRow};
+use sqlx::{PgConnection, PgPool, Row, migrate::Migrator};
 use tokio::task::JoinHandle;
 
 use super::{
@@ -35,22 +38,28 @@ const STORE: &str = "postgres";
 
 /// A store on Postgres: the source of truth.
 ///
-/// One row per (scope, key), primary key on both; a claim is one atomic `INSERT … ON CONFLICT DO
-/// UPDATE … WHERE expired` statement, never a read followed by a write. The same statement
-/// answers from a live row it sees without writing, so replays and 409s cost the database no
-/// write. Complete, release and renew are `UPDATE`/`DELETE … WHERE owner = $owner`. Every time
-/// is the database's `now()`.
-/// Fences come from a sequence, so they grow across reclaims and releases alike.
+/// One row per (scope, key), primary key on both. A claim is one statement in the common case:
+/// it inserts the key when there is no row (`INSERT … ON CONFLICT DO NOTHING`, never a read
+/// followed by a write) or answers from the row it finds without writing, so replays and 409s
+/// cost the database no write. A row that needs more is settled in a short transaction under
+/// its row lock (`FOR UPDATE SKIP LOCKED`): an expired row is taken over; a row another
+/// transaction holds (a handler's open fence, typically) is in flight, its holder alive; a
+/// committed key whose lease lapsed gets half a lease of grace for its owner to renew before it
+/// is reported orphaned. Complete, release and renew are conditional on the owner, and a renewal
+/// never waits on a row lock. Every time is the database's.
 ///
-/// Handlers fence their business write with [`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit)
-/// inside their own transaction: once committed, the key can be neither released nor reclaimed,
-/// only completed, so a handler that lost its lease during a stall cannot commit a second time.
+/// Fences come from a sequence, so they grow across reclaims and releases alike. Handlers fence
+/// their business write with [`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit) (or
+/// `commit_with_response`, which stores the answer too) inside their own transaction: once
+/// committed, the key can be neither released nor reclaimed, only completed, so a handler that
+/// lost its lease during a stall cannot commit a second time.
 ///
 /// Expired rows are deleted by [`sweep`](Self::sweep), which every instance may run at once
 /// ([`spawn_sweeper`](Self::spawn_sweeper)). An unreachable database, or an exhausted pool,
 /// is an error within [`with_timeout`](Self::with_timeout)'s bound (5 s by default), which the
-/// layer answers with 503 without running the handler. Give the pool an `acquire_timeout` below
-/// that bound.
+/// layer answers with 503 without running the handler; a claim also checks that bound on the
+/// server's clock before it inserts, so one the client gave up on never acquires later. Give the
+/// pool an `acquire_timeout` below that bound.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
@@ -58,45 +67,111 @@ pub struct PostgresStore {
     sweep_batch: i64,
 }
 
+/// The claim's common path, one round trip: insert the key if there is no row, or say what the
+/// row there is. Rows that need more (an expired row to take over, a committed key whose lease
+/// lapsed) are settled by [`PostgresStore::settle`] under a row lock.
+///
+/// $1 scope, $2 key, $3 fingerprint, $4 owner, $5 lease (ms), $6 what is left of the caller's
+/// time (ms): the insert happens only within it, measured on the server's clock from the start
+/// of the statement's transaction (`now()`, taken before any lock wait; `statement_timestamp()`
+/// would be the time the server got round to reading the message), so a claim the caller gave
+/// up on (say it waited on a lock) never acquires later.
 const CLAIM: &str = r"
-WITH live AS (
-    SELECT * FROM idempotency_keys
-    WHERE scope = $1 AND key = $2 AND expires_at > now()
+WITH cur AS (
+    SELECT state, fingerprint = $3 AS same, response, suspect,
+           lease_until > now() AS leased, expires_at > now() AS live,
+           ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
+           ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms
+    FROM idempotency_keys
+    WHERE scope = $1 AND key = $2
 ),
 claimed AS (
-    INSERT INTO idempotency_keys AS k
+    INSERT INTO idempotency_keys
         (scope, key, fingerprint, state, owner, fence, lease_until, expires_at)
     SELECT $1, $2, $3, 'in_flight', $4, nextval('idempotency_fence'),
            now() + $5::float8 * interval '1 millisecond',
            now() + $5::float8 * interval '1 millisecond'
-    WHERE NOT EXISTS (SELECT 1 FROM live)
-    ON CONFLICT (scope, key) DO UPDATE SET
-        fingerprint = excluded.fingerprint, state = 'in_flight', owner = excluded.owner,
-        fence = excluded.fence, lease_until = excluded.lease_until,
-        expires_at = excluded.expires_at, status = NULL, response = NULL,
-        created_at = now(), updated_at = now()
-    WHERE k.expires_at <= now()
-    RETURNING k.fence
+    WHERE NOT EXISTS (SELECT 1 FROM cur)
+      AND clock_timestamp() < now() + $6::float8 * interval '1 millisecond'
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING fence
 )
-SELECT true AS acquired, fence, NULL::text AS state, true AS same_request,
-       NULL::bytea AS response, NULL::int8 AS remaining_ms, NULL::int8 AS expires_ms
+SELECT 'acquired' AS verdict, fence, NULL::bytea AS response,
+       NULL::int8 AS lease_ms, NULL::int8 AS expires_ms
 FROM claimed
 UNION ALL
-SELECT false, fence, state, fingerprint = $3,
-       CASE WHEN fingerprint = $3 THEN response END,
-       ceil(extract(epoch FROM lease_until - now()) * 1000)::int8,
-       ceil(extract(epoch FROM expires_at - now()) * 1000)::int8
-FROM live
+SELECT CASE
+           WHEN NOT live THEN 'expired'
+           WHEN NOT same THEN 'mismatch'
+           WHEN state = 'completed' OR response IS NOT NULL THEN 'completed'
+           WHEN leased THEN 'in_flight'
+           WHEN suspect THEN 'orphaned'
+           ELSE 'lapsed'
+       END,
+       NULL, CASE WHEN same THEN response END, lease_ms, expires_ms
+FROM cur
 ";
 
-const RENEW: &str = r"
+/// Locks a row that needs settling, unless another transaction holds it.
+const LOCK: &str = r"
+SELECT fingerprint = $3 AS same, state, response IS NOT NULL AS answered, suspect,
+       lease_until > now() AS leased, expires_at > now() AS live
+FROM idempotency_keys
+WHERE scope = $1 AND key = $2
+FOR UPDATE SKIP LOCKED
+";
+
+/// Whether the row still needs settling, seen without a lock: then a transaction holds it.
+const UNSETTLED: &str = r"
+SELECT EXISTS (
+    SELECT 1 FROM idempotency_keys
+    WHERE scope = $1 AND key = $2
+      AND (expires_at <= now()
+           OR (state = 'committed' AND response IS NULL AND lease_until <= now()))
+)
+";
+
+/// Takes over an expired row, as a fresh claim would have created it.
+const TAKE_OVER: &str = r"
 UPDATE idempotency_keys
-SET lease_until = now() + $4::float8 * interval '1 millisecond',
-    expires_at = CASE WHEN state = 'in_flight'
-                      THEN now() + $4::float8 * interval '1 millisecond'
-                      ELSE greatest(expires_at, now() + $4::float8 * interval '1 millisecond') END,
-    updated_at = now()
-WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
+SET fingerprint = $3, state = 'in_flight', owner = $4, fence = nextval('idempotency_fence'),
+    lease_until = now() + $5::float8 * interval '1 millisecond',
+    expires_at = now() + $5::float8 * interval '1 millisecond',
+    status = NULL, response = NULL, suspect = false, created_at = now(), updated_at = now()
+WHERE scope = $1 AND key = $2
+RETURNING fence
+";
+
+/// Gives the owner of a committed key whose lease lapsed a grace to show it is alive.
+const SUSPECT: &str = r"
+UPDATE idempotency_keys
+SET suspect = true, lease_until = now() + $3::float8 * interval '1 millisecond'
+WHERE scope = $1 AND key = $2
+";
+
+/// Renews without waiting on a row lock: a locked row answers `renewed = false, owned = true`.
+const RENEW: &str = r"
+WITH target AS (
+    SELECT scope, key FROM idempotency_keys
+    WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
+    FOR NO KEY UPDATE SKIP LOCKED
+),
+renewed AS (
+    UPDATE idempotency_keys k
+    SET lease_until = now() + $4::float8 * interval '1 millisecond',
+        expires_at = CASE WHEN k.state = 'in_flight'
+                          THEN now() + $4::float8 * interval '1 millisecond'
+                          ELSE greatest(k.expires_at, now() + $4::float8 * interval '1 millisecond')
+                     END,
+        suspect = false, updated_at = now()
+    FROM target
+    WHERE k.scope = target.scope AND k.key = target.key
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM renewed) AS renewed,
+       EXISTS (SELECT 1 FROM idempotency_keys
+               WHERE scope = $1 AND key = $2 AND owner = $3
+                 AND state IN ('in_flight', 'committed')) AS owned
 ";
 
 const COMPLETE: &str = r"
@@ -117,11 +192,14 @@ SELECT EXISTS (SELECT 1 FROM released) AS released,
                WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'committed') AS committed
 ";
 
-/// The fence: run by the handler inside its own transaction.
+/// The fence: run by the handler inside its own transaction. The lease restarts from the
+/// statement's own clock, and the response, when the handler gives one, is stored with it.
 const COMMIT: &str = r"
 UPDATE idempotency_keys
 SET state = 'committed',
+    lease_until = clock_timestamp() + $5::float8 * interval '1 millisecond', suspect = false,
     expires_at = greatest(expires_at, now() + $4::float8 * interval '1 millisecond'),
+    status = coalesce($6, status), response = coalesce($7, response),
     updated_at = now()
 WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
 ";
@@ -142,6 +220,10 @@ WHERE k.scope = doomed.scope AND k.key = doomed.key
 /// Claims race only when a competing claim commits between two statements; after this many
 /// rounds the key is reported in flight.
 const CLAIM_ROUNDS: usize = 4;
+
+/// What a claim that meets a row locked by another transaction answers: the holder is alive
+/// (a fence transaction, another claim, a renewal), and done soon.
+const LOCKED_RETRY: Duration = Duration::from_millis(100);
 
 impl PostgresStore {
     /// A store on `pool`. Run the migrations first ([`migrate`](Self::migrate)).
@@ -224,37 +306,145 @@ impl PostgresStore {
     ) -> Result<T, StoreError> {
         match tokio::time::timeout(self.timeout, operation).await {
             Ok(result) => result.map_err(backend),
-            Err(_elapsed) => Err(StoreError::Timeout {
-                store: STORE,
-                after: self.timeout,
-            }),
+            Err(_elapsed) => Err(self.timed_out()),
         }
     }
 
-    async fn claim_once(&self, request: &ClaimRequest) -> Result<Option<ClaimOutcome>, StoreError> {
+    fn timed_out(&self) -> StoreError {
+        StoreError::Timeout {
+            store: STORE,
+            after: self.timeout,
+        }
+    }
+
+    /// One round of a claim: `None` when a competing claim committed between snapshots and the
+    /// row must be read again.
+    async fn claim_once(
+        &self,
+        request: &ClaimRequest,
+        started: Instant,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
         let record = request.record();
-        let row = self
-            .bounded(
-                sqlx::query(CLAIM)
-                    .bind(record.scope())
-                    .bind(record.key().as_str())
-                    .bind(&request.fingerprint().as_bytes()[..])
-                    .bind(request.owner())
-                    .bind(millis(request.lease()))
-                    .fetch_optional(&self.pool),
-            )
-            .await?;
+        let left = self
+            .timeout
+            .checked_sub(started.elapsed())
+            .ok_or_else(|| self.timed_out())?;
+        let row = sqlx::query(CLAIM)
+            .bind(record.scope())
+            .bind(record.key().as_str())
+            .bind(&request.fingerprint().as_bytes()[..])
+            .bind(request.owner())
+            .bind(millis(request.lease()))
+            .bind(millis(left))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(backend)?;
         let Some(row) = row else {
-            // A competing claim committed after this statement's snapshot: look again.
+            // A competing claim committed after this statement's snapshot (or the statement ran
+            // past the caller's time and inserted nothing): look again.
             return Ok(None);
         };
-        read_claim(&row)
-            .map(Some)
-            .map_err(|source| StoreError::Corrupt {
-                store: STORE,
-                record: record.clone(),
-                source,
-            })
+        let corrupt = |source| StoreError::Corrupt {
+            store: STORE,
+            record: record.clone(),
+            source,
+        };
+        let verdict: String = row.try_get("verdict").map_err(backend)?;
+        let millis = |column| -> Result<Duration, StoreError> {
+            let millis: Option<i64> = row.try_get(column).map_err(backend)?;
+            Ok(Duration::from_millis(
+                u64::try_from(millis.unwrap_or(0)).unwrap_or(0),
+            ))
+        };
+        Ok(Some(match verdict.as_str() {
+            "acquired" => {
+                let fence: i64 = row.try_get("fence").map_err(backend)?;
+                ClaimOutcome::Acquired {
+                    fence: u64::try_from(fence).map_err(|e| corrupt(e.into()))?,
+                }
+            }
+            "mismatch" => ClaimOutcome::Mismatch,
+            "completed" => {
+                let response: Option<Vec<u8>> = row.try_get("response").map_err(backend)?;
+                let response =
+                    response.ok_or_else(|| corrupt("completed row without a response".into()))?;
+                ClaimOutcome::Completed {
+                    response: Box::new(
+                        StoredResponse::decode(Bytes::from(response))
+                            .map_err(|e| corrupt(e.into()))?,
+                    ),
+                    expires_in: millis("expires_ms")?,
+                }
+            }
+            "in_flight" => ClaimOutcome::InFlight {
+                retry_after: millis("lease_ms")?,
+            },
+            "orphaned" => ClaimOutcome::Orphaned,
+            "expired" | "lapsed" => return self.settle(request).await,
+            other => return Err(corrupt(format!("unknown claim verdict {other:?}").into())),
+        }))
+    }
+
+    /// Settles a row the common path could not, under its row lock: takes over an expired row,
+    /// or gives the owner of a committed key whose lease lapsed a grace of half a lease to
+    /// renew. A row another transaction holds is in flight: its holder is alive. `None` when
+    /// the row changed meanwhile and must be read again.
+    async fn settle(&self, request: &ClaimRequest) -> Result<Option<ClaimOutcome>, StoreError> {
+        let record = request.record();
+        let mut tx = self.pool.begin().await.map_err(backend)?;
+        let locked = sqlx::query(LOCK)
+            .bind(record.scope())
+            .bind(record.key().as_str())
+            .bind(&request.fingerprint().as_bytes()[..])
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(backend)?;
+        let Some(row) = locked else {
+            let unsettled: bool = sqlx::query_scalar(UNSETTLED)
+                .bind(record.scope())
+                .bind(record.key().as_str())
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(backend)?;
+            return Ok(unsettled.then_some(ClaimOutcome::InFlight {
+                retry_after: LOCKED_RETRY,
+            }));
+        };
+        let flag = |column| row.try_get::<bool, _>(column).map_err(backend);
+        let state: String = row.try_get("state").map_err(backend)?;
+        let outcome = if !flag("live")? {
+            let fence: i64 = sqlx::query_scalar(TAKE_OVER)
+                .bind(record.scope())
+                .bind(record.key().as_str())
+                .bind(&request.fingerprint().as_bytes()[..])
+                .bind(request.owner())
+                .bind(millis(request.lease()))
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(backend)?;
+            ClaimOutcome::Acquired {
+                fence: u64::try_from(fence).unwrap_or_default(),
+            }
+        } else if state == "committed"
+            && flag("same")?
+            && !flag("answered")?
+            && !flag("leased")?
+            && !flag("suspect")?
+        {
+            let grace = request.lease() / 2;
+            sqlx::query(SUSPECT)
+                .bind(record.scope())
+                .bind(record.key().as_str())
+                .bind(millis(grace))
+                .execute(&mut *tx)
+                .await
+                .map_err(backend)?;
+            ClaimOutcome::InFlight { retry_after: grace }
+        } else {
+            return Ok(None);
+        };
+        tx.commit().await.map_err(backend)?;
+        Ok(Some(outcome))
     }
 }
 
@@ -264,14 +454,21 @@ impl Store for PostgresStore {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         Box::pin(async move {
-            for _ in 0..CLAIM_ROUNDS {
-                if let Some(outcome) = self.claim_once(request).await? {
-                    return Ok(outcome);
+            let started = Instant::now();
+            let rounds = async {
+                for _ in 0..CLAIM_ROUNDS {
+                    if let Some(outcome) = self.claim_once(request, started).await? {
+                        return Ok(outcome);
+                    }
                 }
+                Ok(ClaimOutcome::InFlight {
+                    retry_after: LOCKED_RETRY,
+                })
+            };
+            match tokio::time::timeout(self.timeout, rounds).await {
+                Ok(outcome) => outcome,
+                Err(_elapsed) => Err(self.timed_out()),
             }
-            Ok(ClaimOutcome::InFlight {
-                retry_after: Duration::from_secs(1),
-            })
         })
     }
 
@@ -282,17 +479,23 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
             let record = lease.record();
-            let updated = self
+            let row = self
                 .bounded(
                     sqlx::query(RENEW)
                         .bind(record.scope())
                         .bind(record.key().as_str())
                         .bind(lease.owner())
                         .bind(millis(duration))
-                        .execute(&self.pool),
+                        .fetch_one(&self.pool),
                 )
                 .await?;
-            Ok(held_if_one(updated.rows_affected()))
+            let renewed: bool = row.try_get("renewed").map_err(backend)?;
+            let owned: bool = row.try_get("owned").map_err(backend)?;
+            Ok(match (renewed, owned) {
+                (true, _) => Ownership::Held,
+                (false, true) => Ownership::Busy,
+                (false, false) => Ownership::Lost,
+            })
         })
     }
 
@@ -344,18 +547,24 @@ impl Store for PostgresStore {
 }
 
 /// Moves the key from in flight to committed inside the caller's transaction, if `lease`'s owner
-/// still holds it. See [`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit).
+/// still holds it, storing `response` with it when given. See
+/// [`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit).
 pub(crate) async fn commit(
     connection: &mut PgConnection,
     lease: &Lease,
-    retention: Duration,
+    times: (Duration, Duration),
+    response: Option<&StoredResponse>,
 ) -> Result<(), FenceError> {
+    let (retention, lease_duration) = times;
     let record = lease.record();
     let updated = sqlx::query(COMMIT)
         .bind(record.scope())
         .bind(record.key().as_str())
         .bind(lease.owner())
         .bind(millis(retention))
+        .bind(millis(lease_duration))
+        .bind(response.map(|r| r.status().as_u16() as i16))
+        .bind(response.map(|r| r.encode().to_vec()))
         .execute(connection)
         .await
         .map_err(|source| FenceError::Database {
@@ -416,46 +625,4 @@ fn backend(error: sqlx::Error) -> StoreError {
 /// Postgres intervals take fractional milliseconds; ours are whole.
 fn millis(duration: Duration) -> f64 {
     duration.as_millis() as f64
-}
-
-/// Reads the row of the claim statement.
-fn read_claim(row: &PgRow) -> Result<ClaimOutcome, super::BoxError> {
-    if row.try_get::<bool, _>("acquired")? {
-        let fence: i64 = row.try_get("fence")?;
-        return Ok(ClaimOutcome::Acquired {
-            fence: u64::try_from(fence)?,
-        });
-    }
-    if !row.try_get::<bool, _>("same_request")? {
-        return Ok(ClaimOutcome::Mismatch);
-    }
-    let millis = |column| -> Result<Duration, sqlx::Error> {
-        let millis: Option<i64> = row.try_get(column)?;
-        Ok(Duration::from_millis(
-            u64::try_from(millis.unwrap_or(0)).unwrap_or(0),
-        ))
-    };
-    let remaining = millis("remaining_ms")?;
-    let state: String = row.try_get("state")?;
-    Ok(match state.as_str() {
-        "completed" => {
-            let response: Vec<u8> = row
-                .try_get::<Option<Vec<u8>>, _>("response")?
-                .ok_or("completed row without a response")?;
-            ClaimOutcome::Completed {
-                response: Box::new(StoredResponse::decode(Bytes::from(response))?),
-                expires_in: millis("expires_ms")?,
-            }
-        }
-        "in_flight" => ClaimOutcome::InFlight {
-            retry_after: remaining,
-        },
-        // Committed: while its owner lives it renews the lease; a lapsed lease means the
-        // owner died between its commit and storing a response.
-        "committed" if remaining > Duration::ZERO => ClaimOutcome::InFlight {
-            retry_after: remaining,
-        },
-        "committed" => ClaimOutcome::Orphaned,
-        other => return Err(format!("unknown state {other:?}").into()),
-    })
 }

@@ -12,22 +12,24 @@ use crate::StoredResponse;
 /// the source of truth (`authority`, typically [`PostgresStore`](crate::store::PostgresStore)),
 /// with one owner token across both.
 ///
-/// - **Claim**: the front answers replays (one round trip), mismatches and live claims at once;
-///   when it acquires, the authority is always asked. A key the authority has completed but the
-///   front had lost is written back to the front and replayed. Whatever the authority refuses,
-///   or fails on, releases the front's claim.
+/// - **Claim**: the front answers replays (one round trip) and mismatches at once; when it
+///   acquires, or says the key is in flight, the authority is asked, and its answer stands (so a
+///   claim that reached a frozen Redis late never hides a key the authority completed). A key
+///   the authority has completed but the front had lost is written back to the front and
+///   replayed. Whatever the authority refuses, or fails on, releases the front's claim.
 /// - **Finalize**: the authority first, then the front. The fence handed to the handler is the
 ///   authority's.
 /// - **The front failing** (an error, or its timeout) costs that one call: the request goes on
 ///   through the authority alone, and a breaker skips the front for a cooldown (5 s by default)
 ///   so a dead Redis costs no timeout per request. After the cooldown one call probes it; the
 ///   first success closes the breaker.
-/// - **The authority failing** is an error: the layer answers 503 and the handler never runs.
+/// - **The authority failing** is an error: the layer answers 503 and the handler never runs;
+///   but a key the front holds completed is replayed, breaker or not.
 ///
 /// Correctness rests on the authority alone: the front may lose every record (flush, eviction,
-/// restart, failover) and only the load on the authority rises. What the front can do wrong is
-/// bounded by a lease: a claim it keeps after its owner finished (when it was unreachable at the
-/// release) answers 409 until that lease runs out.
+/// restart, failover) and only the load on the authority rises. A stale claim the front keeps
+/// (one that arrived after its owner finished) costs the authority a read per retry until its
+/// lease runs out; it never changes an answer.
 #[derive(Debug)]
 pub struct TieredStore<F, A> {
     front: F,
@@ -78,22 +80,51 @@ impl<F: Store, A: Store> TieredStore<F, A> {
         if !self.breaker.allows() {
             return None;
         }
-        match call.await {
+        self.front_result(what, call.await)
+    }
+
+    /// Reads the result of a front call, opening the breaker on a failure; `None` when failed.
+    fn front_result<T>(&self, what: &str, result: Result<T, StoreError>) -> Option<T> {
+        match result {
             Ok(value) => {
                 self.breaker.succeeded();
                 Some(value)
             }
             // One unreadable record says nothing about the front's health.
             Err(error @ StoreError::Corrupt { .. }) => {
-                tracing::warn!(error = %error, "front store {what} failed; using the authority");
+                tracing::warn!(
+                    error = &error as &dyn std::error::Error,
+                    "front store {what} failed; using the authority"
+                );
                 None
             }
             Err(error) => {
                 if self.breaker.failed() {
-                    tracing::warn!(error = %error, cooldown = ?self.breaker.cooldown, "front store {what} failed; skipping it for the cooldown");
+                    tracing::warn!(error = &error as &dyn std::error::Error, cooldown = ?self.breaker.cooldown, "front store {what} failed; skipping it for the cooldown");
                 }
                 None
             }
+        }
+    }
+
+    /// With the authority failing, asks the front even though the breaker skips it: a
+    /// completed key is still replayed. Anything else keeps the authority's error, and a claim
+    /// the front grants is given back.
+    async fn last_resort(
+        &self,
+        request: &ClaimRequest,
+        failed: Result<ClaimOutcome, StoreError>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        match self.front.claim(request).await {
+            Ok(replay @ ClaimOutcome::Completed { .. }) => {
+                self.breaker.succeeded();
+                Ok(replay)
+            }
+            Ok(ClaimOutcome::Acquired { fence }) => {
+                let _ = self.front.release(&request.lease_with_fence(fence)).await;
+                failed
+            }
+            _ => failed,
         }
     }
 }
@@ -104,10 +135,21 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         Box::pin(async move {
-            let front_lease = match self.on_front("claim", self.front.claim(request)).await {
-                Some(ClaimOutcome::Acquired { fence }) => Some(request.lease_with_fence(fence)),
-                Some(answer) => return Ok(answer),
-                None => None,
+            let front_allowed = self.breaker.allows();
+            let front_lease = if front_allowed {
+                match self.front_result("claim", self.front.claim(request).await) {
+                    Some(ClaimOutcome::Acquired { fence }) => Some(request.lease_with_fence(fence)),
+                    // A final answer the front holds: replays cost one round trip.
+                    Some(answer @ (ClaimOutcome::Completed { .. } | ClaimOutcome::Mismatch)) => {
+                        return Ok(answer);
+                    }
+                    // "In flight" is confirmed with the authority: the front may hold a claim
+                    // that arrived late (a frozen Redis running a queued script) for a key the
+                    // authority has completed.
+                    Some(_) | None => None,
+                }
+            } else {
+                None
             };
             let outcome = self.authority.claim(request).await;
             if let Some(front_lease) = front_lease {
@@ -130,6 +172,10 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
                             .await;
                     }
                 }
+            } else if outcome.is_err() && !front_allowed {
+                // The authority is down and the front was skipped: it may still replay a
+                // completed key, whatever the breaker says.
+                return self.last_resort(request, outcome).await;
             }
             outcome
         })

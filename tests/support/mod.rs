@@ -527,6 +527,55 @@ impl<S: Store> Store for FrozenRenewals<S> {
     }
 }
 
+/// A store whose `complete` fails while `failing` is set, as a store that cannot take a write
+/// would; every other operation goes through.
+#[derive(Clone)]
+pub struct FailingCompletes<S> {
+    pub inner: S,
+    pub failing: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl<S: Store> Store for FailingCompletes<S> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a store::ClaimRequest,
+    ) -> store::BoxFuture<'a, Result<store::ClaimOutcome, store::StoreError>> {
+        self.inner.claim(request)
+    }
+
+    fn renew<'a>(
+        &'a self,
+        lease: &'a store::Lease,
+        duration: Duration,
+    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
+        self.inner.renew(lease, duration)
+    }
+
+    fn complete<'a>(
+        &'a self,
+        lease: &'a store::Lease,
+        response: &'a tower_idempotency::StoredResponse,
+        retention: Duration,
+    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
+        if self.failing.load(std::sync::atomic::Ordering::SeqCst) {
+            return Box::pin(async {
+                Err(store::StoreError::Backend {
+                    store: "failing",
+                    source: "the store refuses writes".into(),
+                })
+            });
+        }
+        self.inner.complete(lease, response, retention)
+    }
+
+    fn release<'a>(
+        &'a self,
+        lease: &'a store::Lease,
+    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
+        self.inner.release(lease)
+    }
+}
+
 /// A payment provider for the fleet: counts every charge per idempotency key, the number that
 /// must never exceed one. Serves `POST /charges` on a free port of this process.
 pub struct MockProvider {

@@ -1,0 +1,264 @@
+//! Running the handler: its response kept for storing, or streamed when too large; its panics
+//! and failures turned into answers.
+
+use std::{
+    panic::AssertUnwindSafe,
+    pin::{Pin, pin},
+    sync::atomic::Ordering::Relaxed,
+};
+
+use bytes::{Buf, Bytes};
+use futures_util::FutureExt;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use tokio::sync::mpsc;
+use tower_service::Service;
+
+use super::{Caller, Outcome, read::concat, render, vary_names};
+use crate::{
+    Completion, IdempotencyKey, StoredResponse,
+    body::{LiveFrame, RequestBody, ResponseBody},
+    future::Reply,
+    layer::Config,
+    policy::ResponseSummary,
+    problem::Rejection,
+    store::BoxError,
+};
+
+/// How many response frames may wait for a slow caller before the handler's body is paused.
+const RELAY_FRAMES: usize = 16;
+
+/// What running the handler left: the outcome to store, and the answer still owed to the
+/// caller, to send once the key is finalized (`None` when the response was streamed already).
+pub(super) struct Handled<B, E> {
+    pub(super) outcome: Outcome,
+    pub(super) answer: Option<(Caller<B, E>, Reply<B, E>)>,
+}
+
+/// Calls the handler and reads its response. A response within the cache limit is kept whole
+/// and answered after finalizing; a larger one streams to the caller as it is produced and is
+/// stored without its body. Panics and service errors become a 500 that releases the key.
+pub(super) async fn handle<S, ReqBody, ResBody>(
+    config: &Config,
+    mut inner: S,
+    request: Request<RequestBody<ReqBody>>,
+    request_headers: &HeaderMap,
+    reply: Caller<ResBody, S::Error>,
+    key: &IdempotencyKey,
+    grpc: bool,
+) -> Handled<ResBody, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ResBody: Body,
+    ResBody::Error: Into<BoxError>,
+{
+    // The call itself runs inside the guarded future, so a panic in `call` is caught too.
+    let called = AssertUnwindSafe(async { inner.call(request).await })
+        .catch_unwind()
+        .await;
+    let response = match called {
+        Ok(Ok(response)) => response,
+        Ok(Err(error)) => {
+            tracing::warn!(key = %key, "handler returned a service error; releasing the key");
+            return failed(config, key, grpc, reply, Some(error));
+        }
+        Err(_panic) => {
+            tracing::error!(key = %key, "handler panicked; releasing the key");
+            return failed(config, key, grpc, reply, None);
+        }
+    };
+
+    let (parts, body) = response.into_parts();
+    if parts.status == StatusCode::REQUEST_TIMEOUT && !grpc {
+        warn_inner_timeout(config);
+    }
+    let headers = config.store_rules.headers(&parts.headers);
+    let mut varied = HeaderMap::new();
+    for name in vary_names(&parts.headers) {
+        for value in request_headers.get_all(&name) {
+            varied.append(name.clone(), value.clone());
+        }
+    }
+    let hint = body.size_hint();
+    let mut body = pin!(body);
+    let mut chunks = Vec::new();
+    let mut len = 0;
+    let mut trailers = None;
+    let overflow = loop {
+        match next_frame(body.as_mut(), key).await {
+            Next::Data(data) if len + data.len() > config.store_rules.max_body => break data,
+            Next::Data(data) => {
+                len += data.len();
+                chunks.push(data);
+            }
+            Next::Trailers(t) => trailers = Some(t),
+            Next::End => {
+                let data = concat(chunks);
+                let completion = config.policy.decide(&ResponseSummary {
+                    status: parts.status,
+                    headers: &parts.headers,
+                    trailers: trailers.as_ref(),
+                });
+                let stored = StoredResponse::new(
+                    parts.status,
+                    headers,
+                    Some(data.clone()),
+                    trailers.clone(),
+                )
+                .with_varied_request_headers(varied);
+                let answer = Response::from_parts(parts, ResponseBody::full(data, trailers));
+                return Handled {
+                    outcome: Outcome {
+                        response: stored,
+                        completion,
+                    },
+                    answer: Some((reply, Ok(answer))),
+                };
+            }
+            // Nothing reached the caller yet: it gets a clean 500 instead of a torn body.
+            Next::Failed(_) => return failed(config, key, grpc, reply, None),
+        }
+    };
+
+    // Over the cache limit: stream what was read and the rest, and store the outcome bodiless.
+    let (frames, receiver) = mpsc::channel::<LiveFrame>(RELAY_FRAMES);
+    let (status, all_headers) = (parts.status, parts.headers.clone());
+    let _ = reply.send(Ok(Response::from_parts(
+        parts,
+        ResponseBody::live(receiver, &hint),
+    )));
+    let mut caller = Some(frames);
+    for data in chunks.into_iter().chain([overflow]) {
+        len += data.len();
+        relay(&mut caller, Ok(Frame::data(data))).await;
+    }
+    loop {
+        match next_frame(body.as_mut(), key).await {
+            Next::Data(data) => {
+                len += data.len();
+                relay(&mut caller, Ok(Frame::data(data))).await;
+            }
+            Next::Trailers(t) => {
+                trailers = Some(t.clone());
+                relay(&mut caller, Ok(Frame::trailers(t))).await;
+            }
+            Next::End => break,
+            Next::Failed(error) => {
+                relay(&mut caller, Err(error)).await;
+                config.metrics.add(|m| &m.handler_failures);
+                return Handled {
+                    outcome: Outcome {
+                        response: StoredResponse::new(status, headers, None, None),
+                        completion: Completion::Release,
+                    },
+                    answer: None,
+                };
+            }
+        }
+    }
+    config.metrics.add(|m| &m.responses_not_stored);
+    tracing::warn!(key = %key, bytes = len, limit = config.store_rules.max_body, "response over the cache limit; storing the outcome without its body");
+    let completion = config.policy.decide(&ResponseSummary {
+        status,
+        headers: &all_headers,
+        trailers: trailers.as_ref(),
+    });
+    Handled {
+        outcome: Outcome {
+            response: StoredResponse::new(status, headers, None, trailers),
+            completion,
+        },
+        answer: None,
+    }
+}
+
+/// A timeout layer inside this one answers 408 and drops (cancels) the handler this layer promised
+/// to run to completion; a released key then runs again on every retry. Said once per layer.
+fn warn_inner_timeout(config: &Config) {
+    if !config.shared.warned_inner_timeout.swap(true, Relaxed) {
+        tracing::warn!(
+            "the inner service answered 408 Request Timeout: if a timeout layer sits inside \
+             IdempotencyLayer it cancels handlers mid-way and every retry starts them again; \
+             install it outside (see \"Composing with other layers\")"
+        );
+    }
+}
+
+/// One step of reading the handler's response body.
+enum Next {
+    Data(Bytes),
+    Trailers(HeaderMap),
+    End,
+    Failed(BoxError),
+}
+
+/// Reads the next data or trailers frame, catching a panic of the body.
+async fn next_frame<B>(mut body: Pin<&mut B>, key: &IdempotencyKey) -> Next
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    loop {
+        let polled = AssertUnwindSafe(body.as_mut().frame()).catch_unwind().await;
+        return match polled {
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(mut data) => Next::Data(data.copy_to_bytes(data.remaining())),
+                Err(frame) => match frame.into_trailers() {
+                    Ok(trailers) => Next::Trailers(trailers),
+                    // A frame kind this crate does not know: nothing to store or relay.
+                    Err(_) => continue,
+                },
+            },
+            Ok(None) => Next::End,
+            Ok(Some(Err(error))) => {
+                let error: BoxError = error.into();
+                tracing::warn!(key = %key, error = %error, "handler's response body failed");
+                Next::Failed(error)
+            }
+            Err(_panic) => {
+                tracing::error!(key = %key, "handler panicked while producing its body");
+                Next::Failed("the handler panicked while producing its body".into())
+            }
+        };
+    }
+}
+
+/// A handler that panicked or failed: a 500 problem that releases the key (and is stored if the
+/// handler had committed). The caller gets the service's error if there is one, else the problem.
+fn failed<B, E>(
+    config: &Config,
+    key: &IdempotencyKey,
+    grpc: bool,
+    reply: Caller<B, E>,
+    error: Option<E>,
+) -> Handled<B, E> {
+    config.metrics.add(|m| &m.handler_failures);
+    let (parts, body) = render(config, Rejection::HandlerFailed, Some(key), grpc).into_parts();
+    let stored = StoredResponse::new(
+        parts.status,
+        parts.headers.clone(),
+        Some(body.clone()),
+        None,
+    );
+    let answer = match error {
+        Some(error) => Err(error),
+        None => Ok(Response::from_parts(parts, ResponseBody::full(body, None))),
+    };
+    Handled {
+        outcome: Outcome {
+            response: stored,
+            completion: Completion::Release,
+        },
+        answer: Some((reply, answer)),
+    }
+}
+
+/// Sends a frame to the caller, forgetting the caller once it has gone.
+async fn relay(caller: &mut Option<mpsc::Sender<LiveFrame>>, frame: LiveFrame) {
+    if let Some(sender) = caller {
+        if sender.send(frame).await.is_err() {
+            *caller = None;
+        }
+    }
+}

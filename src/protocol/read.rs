@@ -1,0 +1,100 @@
+//! Reading a guarded request body: within its size and time limits, fingerprinted as it arrives.
+
+use std::pin::pin;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError};
+
+use super::Chain;
+use crate::{
+    Fingerprint, fingerprint::FingerprintHasher, layer::Config, problem::Rejection, store::BoxError,
+};
+
+/// Buffers a guarded request body, up to the size and time limits, and fingerprints the request
+/// (hashing the body as it arrives, unless a hook must see all of it).
+pub(super) async fn read_body<B>(
+    config: &Config,
+    parts: &http::request::Parts,
+    body: B,
+) -> Result<(Bytes, Fingerprint), Rejection>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let limit = config.max_request_body;
+    // A declared length over the limit is refused before a byte is read.
+    if body.size_hint().lower() > limit as u64 {
+        return Err(Rejection::BodyTooLarge { limit: Some(limit) });
+    }
+    let mut hasher = FingerprintHasher::new(parts, &config.fingerprint_headers);
+    let hashing = config.fingerprint_body.is_none();
+    let mut chunks = Vec::new();
+    let mut len = 0;
+    let read = async {
+        let mut body = pin!(body);
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|error| {
+                let error: BoxError = error.into();
+                if caused_by::<LengthLimitError>(&*error) {
+                    // A limit outside this layer (tower-http's RequestBodyLimitLayer, say).
+                    Rejection::BodyTooLarge { limit: None }
+                } else {
+                    tracing::debug!(error = %Chain(&*error), "request body failed");
+                    Rejection::BodyUnreadable
+                }
+            })?;
+            if let Ok(mut data) = frame.into_data() {
+                let data = data.copy_to_bytes(data.remaining());
+                len += data.len();
+                if len > limit {
+                    return Err(Rejection::BodyTooLarge { limit: Some(limit) });
+                }
+                if hashing {
+                    hasher.update(&data);
+                }
+                chunks.push(data);
+            }
+        }
+        Ok(())
+    };
+    let timeout = config.request_body_timeout;
+    match tokio::time::timeout(timeout, read).await {
+        Ok(read) => read?,
+        Err(_elapsed) => return Err(Rejection::BodyTimeout { after: timeout }),
+    }
+    let body = concat(chunks);
+    let fingerprint = match &config.fingerprint_body {
+        None => hasher.finish(),
+        Some(hook) => {
+            let mut hasher = FingerprintHasher::new(parts, &config.fingerprint_headers);
+            hasher.update(&hook(parts, &body));
+            hasher.finish()
+        }
+    };
+    Ok((body, fingerprint))
+}
+
+/// Whether `error`, or any error in its chain of sources, is an `E`.
+fn caused_by<E: std::error::Error + 'static>(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if error.is::<E>() {
+            return true;
+        }
+        next = error.source();
+    }
+    false
+}
+
+/// Joins body chunks, without a copy when there is one.
+pub(super) fn concat(chunks: Vec<Bytes>) -> Bytes {
+    match <[Bytes; 1]>::try_from(chunks) {
+        Ok([single]) => single,
+        Err(chunks) => {
+            let mut all = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+            chunks.iter().for_each(|c| all.extend_from_slice(c));
+            all.freeze()
+        }
+    }
+}

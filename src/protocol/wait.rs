@@ -1,0 +1,218 @@
+//! Duplicates that wait for the first request with their key, and what to tell them if they
+//! cannot.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex, PoisonError, Weak,
+        atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed},
+    },
+    time::Duration,
+};
+
+use tokio::sync::Notify;
+
+use crate::store::RecordKey;
+
+/// The keys this process's requests are waiting on, each with a notification their owner (on
+/// this process) fires once it has finalized the key. Requests waiting on an owner elsewhere in
+/// the fleet poll the store instead.
+#[derive(Debug, Default)]
+pub(crate) struct Waiters {
+    keys: Mutex<HashMap<RecordKey, Weak<Notify>>>,
+}
+
+/// A waiter's interest in one key; the entry goes when the last waiter does.
+pub(crate) struct Watch<'a> {
+    waiters: &'a Waiters,
+    record: &'a RecordKey,
+    notify: Arc<Notify>,
+}
+
+impl Waiters {
+    pub(crate) fn watch<'a>(&'a self, record: &'a RecordKey) -> Watch<'a> {
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        let notify = match keys.get(record).and_then(Weak::upgrade) {
+            Some(notify) => notify,
+            None => {
+                let notify = Arc::new(Notify::new());
+                keys.insert(record.clone(), Arc::downgrade(&notify));
+                notify
+            }
+        };
+        Watch {
+            waiters: self,
+            record,
+            notify,
+        }
+    }
+
+    /// Wakes every request of this process waiting on `record`.
+    pub(crate) fn wake(&self, record: &RecordKey) {
+        let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(notify) = keys.get(record).and_then(Weak::upgrade) {
+            notify.notify_waiters();
+        }
+    }
+}
+
+impl Watch<'_> {
+    pub(crate) fn notify(&self) -> &Notify {
+        &self.notify
+    }
+}
+
+impl Drop for Watch<'_> {
+    fn drop(&mut self) {
+        let mut keys = self
+            .waiters
+            .keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // The map holds a weak reference: this is the last waiter when ours is the only strong one.
+        if Arc::strong_count(&self.notify) == 1 {
+            keys.remove(self.record);
+        }
+    }
+}
+
+/// How long a waiting request pauses between two looks at the store: short at first (most
+/// handlers are quick), doubling up to a ceiling that bounds the load a waiter puts on the store.
+#[derive(Debug)]
+pub(crate) struct Backoff {
+    next: Duration,
+    jitter: u64,
+}
+
+const FIRST_POLL: Duration = Duration::from_millis(10);
+const LAST_POLL: Duration = Duration::from_millis(200);
+
+impl Backoff {
+    /// A schedule; `seed` (random per request) spreads waiters that started together.
+    pub(crate) fn new(seed: u64) -> Self {
+        Self {
+            next: FIRST_POLL,
+            jitter: seed | 1,
+        }
+    }
+
+    pub(crate) fn pause(&mut self) -> Duration {
+        let pause = self.next;
+        self.next = (self.next * 2).min(LAST_POLL);
+        // ±25 %, from a xorshift of the seed.
+        self.jitter ^= self.jitter << 13;
+        self.jitter ^= self.jitter >> 7;
+        self.jitter ^= self.jitter << 17;
+        let quarter = pause.as_micros() as u64 / 4;
+        let offset = self.jitter % (2 * quarter + 1);
+        pause - Duration::from_micros(quarter) + Duration::from_micros(offset)
+    }
+}
+
+/// The last handler durations this layer saw, for a `Retry-After` that says when the answer is
+/// likely ready rather than when the lease would run out.
+#[derive(Debug)]
+pub(crate) struct Durations {
+    millis: [AtomicU64; SAMPLES],
+    next: AtomicUsize,
+}
+
+const SAMPLES: usize = 64;
+
+impl Default for Durations {
+    fn default() -> Self {
+        Self {
+            millis: std::array::from_fn(|_| AtomicU64::new(0)),
+            next: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl Durations {
+    pub(crate) fn record(&self, took: Duration) {
+        let slot = self.next.fetch_add(1, Relaxed) % SAMPLES;
+        // Zero marks an empty slot: a sub-millisecond run counts as one.
+        self.millis[slot].store((took.as_millis() as u64).max(1), Relaxed);
+    }
+
+    /// The 90th percentile of the recent durations, if any were seen.
+    pub(crate) fn typical(&self) -> Option<Duration> {
+        let mut seen: Vec<u64> = self
+            .millis
+            .iter()
+            .map(|slot| slot.load(Relaxed))
+            .filter(|&ms| ms > 0)
+            .collect();
+        if seen.is_empty() {
+            return None;
+        }
+        seen.sort_unstable();
+        Some(Duration::from_millis(seen[seen.len() * 9 / 10]))
+    }
+
+    /// How long to tell a client to wait before retrying a key still in flight: the recent
+    /// typical duration, never more than the time left on the lease.
+    pub(crate) fn retry_after(&self, lease_left: Duration) -> Duration {
+        let typical = self.typical().unwrap_or(Duration::from_secs(1));
+        typical.min(lease_left).max(Duration::from_millis(50))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::IdempotencyKey;
+
+    #[test]
+    fn the_hint_follows_recent_durations_within_the_lease() {
+        let durations = Durations::default();
+        assert_eq!(
+            durations.retry_after(Duration::from_secs(30)),
+            Duration::from_secs(1)
+        );
+        for _ in 0..100 {
+            durations.record(Duration::from_millis(50));
+        }
+        durations.record(Duration::from_secs(20));
+        assert_eq!(
+            durations.retry_after(Duration::from_secs(30)),
+            Duration::from_millis(50)
+        );
+        for _ in 0..20 {
+            durations.record(Duration::from_secs(20));
+        }
+        assert_eq!(
+            durations.retry_after(Duration::from_secs(30)),
+            Duration::from_secs(20)
+        );
+        assert_eq!(
+            durations.retry_after(Duration::from_secs(3)),
+            Duration::from_secs(3)
+        );
+    }
+
+    #[test]
+    fn backoff_doubles_to_its_ceiling_with_jitter() {
+        let mut backoff = Backoff::new(7);
+        let pauses: Vec<_> = (0..8).map(|_| backoff.pause()).collect();
+        assert!(
+            pauses[0] >= Duration::from_micros(7500) && pauses[0] <= Duration::from_micros(12500)
+        );
+        assert!(pauses[7] >= Duration::from_millis(150) && pauses[7] <= Duration::from_millis(250));
+    }
+
+    #[tokio::test]
+    async fn waiters_are_woken_and_forgotten() {
+        let waiters = Waiters::default();
+        let record = RecordKey::new("s", IdempotencyKey::try_from("k").unwrap());
+        {
+            let watch = waiters.watch(&record);
+            let notified = watch.notify().notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            waiters.wake(&record);
+            notified.await;
+        }
+        assert!(waiters.keys.lock().unwrap().is_empty());
+    }
+}

@@ -1,0 +1,261 @@
+//! Every retry converges to the real answer: through the layer on real Postgres, with handlers
+//! that block their worker, stores that refuse to finalize, and fences held open for longer
+//! than the lease. Side effects are counted where they happen (a counter the handler bumps, rows
+//! in a table), never from what the layer says.
+
+mod support;
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Router,
+    body::Body,
+    extract::State,
+    http::{Request, StatusCode},
+    response::{IntoResponse, Response},
+    routing::post,
+};
+use support::{Answer, FailingCompletes, TestSchema, call};
+use tower_idempotency::{IdempotencyClaim, IdempotencyLayer, problem, store::PostgresStore};
+
+fn post_key(key: &str) -> Request<Body> {
+    Request::post("/payments")
+        .header("idempotency-key", key)
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// Side effects per key, counted by the handler itself.
+#[derive(Clone, Default)]
+struct Effects(Arc<Mutex<HashMap<String, u32>>>);
+
+impl Effects {
+    fn add(&self, key: &str) -> u32 {
+        let mut effects = self.0.lock().unwrap();
+        let count = effects.entry(key.to_owned()).or_default();
+        *count += 1;
+        *count
+    }
+
+    fn of(&self, key: &str) -> u32 {
+        self.0.lock().unwrap().get(key).copied().unwrap_or_default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_blocks_its_worker_past_the_lease_keeps_its_key() {
+    let schema = TestSchema::new().await;
+    let lease = Duration::from_millis(150);
+    let effects = Effects::default();
+    let app = Router::new()
+        .route(
+            "/payments",
+            post(
+                |State(effects): State<Effects>, claim: IdempotencyClaim| async move {
+                    // Synchronous work that holds the worker thread: no await for 400 ms.
+                    std::thread::sleep(Duration::from_millis(400));
+                    let count = effects.add(claim.key().as_str());
+                    (StatusCode::CREATED, format!("effect {count}"))
+                },
+            ),
+        )
+        .layer(IdempotencyLayer::new(PostgresStore::new(schema.pool.clone())).with_lease(lease))
+        .with_state(effects.clone());
+
+    let keys = 20;
+    let mut second_runs = 0;
+    for i in 0..keys {
+        let key = format!("blocking-{i}");
+        let first = tokio::spawn({
+            let (app, key) = (app.clone(), key.clone());
+            async move { call(&app, post_key(&key)).await }
+        });
+        // Past the lease while the first handler still blocks its worker.
+        tokio::time::sleep(lease + Duration::from_millis(100)).await;
+        let retry = call(&app, post_key(&key)).await;
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        second_runs += effects.of(&key) - 1;
+    }
+    println!(
+        "blocking handler (400 ms, lease 150 ms, 2 workers): {keys} keys, second executions of \
+         an unfenced side effect {second_runs}"
+    );
+    assert_eq!(second_runs, 0);
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_cannot_finalize_keeps_the_key_until_it_can() {
+    let schema = TestSchema::new().await;
+    let failing = Arc::new(AtomicBool::new(true));
+    let store = FailingCompletes {
+        inner: PostgresStore::new(schema.pool.clone()),
+        failing: Arc::clone(&failing),
+    };
+    let lease = Duration::from_millis(200);
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::new(store)
+        .with_lease(lease)
+        .with_wait(Duration::ZERO);
+    let app = Router::new()
+        .route(
+            "/payments",
+            post(
+                |State(effects): State<Effects>, claim: IdempotencyClaim| async move {
+                    let count = effects.add(claim.key().as_str());
+                    (StatusCode::CREATED, format!("effect {count}"))
+                },
+            ),
+        )
+        .layer(layer.clone())
+        .with_state(effects.clone());
+
+    let first = call(&app, post_key("k-finalize")).await;
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "the caller gets its answer"
+    );
+    // Two leases and more with the store refusing to complete: retries never run it again.
+    let started = Instant::now();
+    let mut conflicts = 0;
+    while started.elapsed() < 2 * lease + Duration::from_millis(200) {
+        let retry = call(&app, post_key("k-finalize")).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+        conflicts += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    failing.store(false, SeqCst);
+    let replay = eventually_replayed(&app, "k-finalize").await;
+    assert_eq!(replay.body, first.body);
+    println!(
+        "complete failing for {:?} (lease {lease:?}): {conflicts} retries answered 409, \
+         executions {}, then completed",
+        started.elapsed(),
+        effects.of("k-finalize")
+    );
+    assert_eq!(effects.of("k-finalize"), 1);
+    assert_eq!(layer.metrics().snapshot().finalize_errors, 1);
+    schema.drop().await;
+}
+
+async fn eventually_replayed(app: &Router, key: &str) -> Answer {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let answer = call(app, post_key(key)).await;
+        if answer.replayed() {
+            return answer;
+        }
+        assert_eq!(answer.status, StatusCode::CONFLICT, "{answer:?}");
+        assert!(Instant::now() < deadline, "never replayed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A payment handler in the example's order: the fence first, then slow work inside the
+/// transaction (longer than the lease), then a pause after the commit before the answer.
+#[derive(Clone)]
+struct Slow {
+    pool: sqlx::PgPool,
+    runs: Arc<AtomicUsize>,
+    work: Duration,
+    pause_after_commit: Duration,
+}
+
+async fn slow_payment(State(app): State<Slow>, claim: IdempotencyClaim) -> Response {
+    let run = app.runs.fetch_add(1, SeqCst) + 1;
+    let mut tx = app.pool.begin().await.unwrap();
+    claim.commit(&mut tx).await.unwrap();
+    tokio::time::sleep(app.work).await;
+    sqlx::query("INSERT INTO payments (key, run) VALUES ($1, $2)")
+        .bind(claim.key().as_str())
+        .bind(run as i32)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    tokio::time::sleep(app.pause_after_commit).await;
+    (StatusCode::CREATED, format!("payment {run}")).into_response()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_owner_holding_its_fence_past_the_lease_is_never_reported_dead() {
+    let schema = TestSchema::new().await;
+    sqlx::query("CREATE TABLE payments (key text NOT NULL, run int NOT NULL)")
+        .execute(&schema.pool)
+        .await
+        .unwrap();
+    let state = Slow {
+        pool: schema.pool.clone(),
+        runs: Arc::default(),
+        work: Duration::from_secs(2),
+        pause_after_commit: Duration::from_millis(300),
+    };
+    let lease = Duration::from_millis(500);
+    let instance = |wait: Duration| {
+        Router::new()
+            .route("/payments", post(slow_payment))
+            .layer(
+                IdempotencyLayer::new(PostgresStore::new(schema.pool.clone()))
+                    .with_lease(lease)
+                    .with_wait(wait),
+            )
+            .with_state(state.clone())
+    };
+    let owner = instance(Duration::ZERO);
+    let impatient = instance(Duration::ZERO);
+    let patient = instance(Duration::from_secs(10));
+
+    let first = tokio::spawn({
+        let owner = owner.clone();
+        async move { call(&owner, post_key("k-slow-fence")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiting = tokio::spawn({
+        let patient = patient.clone();
+        async move { call(&patient, post_key("k-slow-fence")).await }
+    });
+    // Duplicates every 50 ms on another instance, until one is the replay.
+    let mut answers: HashMap<String, usize> = HashMap::new();
+    let replay = loop {
+        let answer = call(&impatient, post_key("k-slow-fence")).await;
+        if answer.replayed() {
+            break answer;
+        }
+        let kind = answer.problem_type();
+        *answers.entry(kind).or_default() += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let first = first.await.unwrap();
+    let waited = waiting.await.unwrap();
+    println!(
+        "fence first, 2 s of work in the transaction (lease {lease:?}), 300 ms pause after \
+         commit: duplicates answered {answers:?} before the replay"
+    );
+    assert_eq!(
+        answers.get(problem::OUTCOME_UNKNOWN),
+        None,
+        "a live owner was reported dead: {answers:?}"
+    );
+    assert!(answers[problem::IN_FLIGHT] > 10, "{answers:?}");
+    assert_eq!(first.body, "payment 1");
+    assert_eq!(replay.body, "payment 1");
+    assert!(waited.replayed());
+    assert_eq!(waited.body, "payment 1");
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM payments")
+        .fetch_one(&schema.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+    assert_eq!(state.runs.load(SeqCst), 1);
+    schema.drop().await;
+}
