@@ -1,5 +1,6 @@
 use std::{
-    collections::HashMap,
+    cmp::Reverse,
+    collections::{BinaryHeap, HashMap, VecDeque},
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::Duration,
 };
@@ -22,16 +23,53 @@ use crate::{Fingerprint, StoredResponse};
 ///
 /// Within one process it implements the whole [`Store`] contract (leases, fences, retention),
 /// so it is a faithful stand-in for tests. Clones share the same records.
+///
+/// # Memory
+///
+/// Records expire in time order, each claim dropping those whose time has come, so memory
+/// follows what is live rather than what was ever stored. Completed records are also held to a
+/// budget: at most [`DEFAULT_MEMORY_MAX_ENTRIES`] records and [`DEFAULT_MEMORY_MAX_BYTES`] of
+/// stored responses by default ([`with_max_entries`](Self::with_max_entries),
+/// [`with_max_bytes`](Self::with_max_bytes)). Past either, the oldest completed records are
+/// evicted first; a retry of an evicted key runs again, as after its retention. In-flight
+/// records are never evicted: a claim that finds the store full of them fails, and the layer
+/// answers 503.
 #[derive(Debug, Clone, Default)]
 pub struct MemoryStore {
     state: Arc<Mutex<State>>,
 }
 
-#[derive(Debug, Default)]
+/// Default budget of records a [`MemoryStore`] holds: one million.
+pub const DEFAULT_MEMORY_MAX_ENTRIES: usize = 1_000_000;
+/// Default budget of stored response bytes a [`MemoryStore`] holds: 256 MiB.
+pub const DEFAULT_MEMORY_MAX_BYTES: usize = 256 * 1024 * 1024;
+
+#[derive(Debug)]
 struct State {
-    records: HashMap<RecordKey, Entry>,
+    records: HashMap<Arc<RecordKey>, Entry>,
+    /// Expiry times, soonest first; an item is stale when its record's time has moved.
+    expiries: BinaryHeap<Reverse<(Instant, Arc<RecordKey>)>>,
+    /// Completed records in completion order, oldest first, for eviction; stale items are
+    /// skipped.
+    completed: VecDeque<(u64, Arc<RecordKey>)>,
     last_fence: u64,
-    claims_since_sweep: usize,
+    bytes: usize,
+    max_entries: usize,
+    max_bytes: usize,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self {
+            records: HashMap::new(),
+            expiries: BinaryHeap::new(),
+            completed: VecDeque::new(),
+            last_fence: 0,
+            bytes: 0,
+            max_entries: DEFAULT_MEMORY_MAX_ENTRIES,
+            max_bytes: DEFAULT_MEMORY_MAX_BYTES,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -44,12 +82,16 @@ struct Entry {
 
 #[derive(Debug)]
 enum EntryState {
-    InFlight { owner: Uuid },
-    Completed(Box<StoredResponse>),
+    InFlight {
+        owner: Uuid,
+    },
+    Completed {
+        response: Arc<StoredResponse>,
+        /// The fence the record completed under: identifies it in the eviction queue.
+        fence: u64,
+        bytes: usize,
+    },
 }
-
-/// Expired entries are dropped in one pass every this many claims.
-const SWEEP_EVERY: usize = 1024;
 
 impl MemoryStore {
     /// An empty store.
@@ -57,7 +99,21 @@ impl MemoryStore {
         Self::default()
     }
 
-    /// The number of records held, expired ones not yet swept included.
+    /// At most `entries` records (one million by default); past it the oldest completed ones
+    /// are evicted.
+    pub fn with_max_entries(self, entries: usize) -> Self {
+        self.lock().max_entries = entries.max(1);
+        self
+    }
+
+    /// At most `bytes` of stored responses (256 MiB by default); past it the oldest completed
+    /// records are evicted.
+    pub fn with_max_bytes(self, bytes: usize) -> Self {
+        self.lock().max_bytes = bytes;
+        self
+    }
+
+    /// The number of records held, expired ones not yet dropped included.
     pub fn len(&self) -> usize {
         self.lock().records.len()
     }
@@ -67,58 +123,174 @@ impl MemoryStore {
         self.len() == 0
     }
 
+    /// The bytes of stored responses held.
+    pub fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // No operation leaves the map half-updated, so a panic elsewhere does not taint it.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
+/// What a stored response costs the budget: its parts, and a record's own overhead.
+fn size_of(response: &StoredResponse) -> usize {
+    let fields = |map: &http::HeaderMap| {
+        map.iter()
+            .map(|(name, value)| name.as_str().len() + value.len() + 16)
+            .sum::<usize>()
+    };
+    256 + response.body().map_or(0, |body| body.len())
+        + fields(response.headers())
+        + response.trailers().map_or(0, fields)
+}
+
 impl State {
-    fn claim(&mut self, request: &ClaimRequest) -> ClaimOutcome {
-        let now = Instant::now();
-        self.claims_since_sweep += 1;
-        if self.claims_since_sweep >= SWEEP_EVERY {
-            self.claims_since_sweep = 0;
-            self.records.retain(|_, entry| entry.expires_at > now);
-        }
-        if let Some(entry) = self.records.get(request.record()) {
-            if entry.expires_at > now {
-                return if entry.fingerprint != *request.fingerprint() {
-                    ClaimOutcome::Mismatch
-                } else {
-                    match &entry.state {
-                        EntryState::InFlight { .. } => ClaimOutcome::InFlight {
-                            retry_after: entry.expires_at - now,
-                        },
-                        EntryState::Completed(response) => ClaimOutcome::Completed {
-                            response: response.clone(),
-                            expires_in: entry.expires_at - now,
-                        },
-                    }
-                };
+    /// Drops every record whose time has come.
+    fn expire(&mut self, now: Instant) {
+        while let Some(Reverse((when, _))) = self.expiries.peek() {
+            if *when > now {
+                break;
+            }
+            let Some(Reverse((when, record))) = self.expiries.pop() else {
+                break;
+            };
+            if self
+                .records
+                .get(&record)
+                .is_some_and(|e| e.expires_at == when)
+            {
+                self.remove(&record);
             }
         }
+        // Completions whose record went (expired or released) leave the eviction queue too.
+        while let Some((fence, record)) = self.completed.front() {
+            if self.is_completed(record, *fence) {
+                break;
+            }
+            self.completed.pop_front();
+        }
+    }
+
+    /// Whether `record` is still the one completed under `fence`.
+    fn is_completed(&self, record: &RecordKey, fence: u64) -> bool {
+        self.records.get(record).is_some_and(
+            |e| matches!(e.state, EntryState::Completed { fence: f, .. } if f == fence),
+        )
+    }
+
+    fn remove(&mut self, record: &RecordKey) {
+        if let Some(entry) = self.records.remove(record) {
+            if let EntryState::Completed { bytes, .. } = entry.state {
+                self.bytes -= bytes;
+            }
+        }
+    }
+
+    /// Sets a record's deadline.
+    fn expire_at(&mut self, record: &Arc<RecordKey>, when: Instant) {
+        if let Some(entry) = self.records.get_mut(record) {
+            entry.expires_at = when;
+            self.expiries.push(Reverse((when, Arc::clone(record))));
+        }
+    }
+
+    /// Evicts the oldest completed records until `room` more entries and `bytes` more bytes fit;
+    /// `false` if only in-flight records are left to evict.
+    fn make_room(&mut self, room: usize, bytes: usize) -> bool {
+        while self.records.len() + room > self.max_entries || self.bytes + bytes > self.max_bytes {
+            let Some((fence, record)) = self.completed.pop_front() else {
+                return false;
+            };
+            if self.is_completed(&record, fence) {
+                self.remove(&record);
+            }
+        }
+        true
+    }
+
+    fn claim(&mut self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let now = Instant::now();
+        self.expire(now);
+        if let Some(entry) = self.records.get(request.record()) {
+            return Ok(if entry.fingerprint != *request.fingerprint() {
+                ClaimOutcome::Mismatch
+            } else {
+                match &entry.state {
+                    EntryState::InFlight { .. } => ClaimOutcome::InFlight {
+                        retry_after: entry.expires_at - now,
+                    },
+                    EntryState::Completed { response, .. } => ClaimOutcome::Completed {
+                        response: Box::new(StoredResponse::clone(response)),
+                        expires_in: entry.expires_at - now,
+                    },
+                }
+            });
+        }
+        if !self.make_room(1, 0) {
+            return Err(StoreError::Backend {
+                store: "memory",
+                source: format!(
+                    "the memory store holds {} records in flight, its whole entry budget",
+                    self.records.len()
+                )
+                .into(),
+            });
+        }
         self.last_fence += 1;
+        let record = Arc::new(request.record().clone());
         self.records.insert(
-            request.record().clone(),
+            Arc::clone(&record),
             Entry {
                 fingerprint: *request.fingerprint(),
-                expires_at: now + request.lease(),
+                expires_at: now,
                 state: EntryState::InFlight {
                     owner: request.owner(),
                 },
             },
         );
-        ClaimOutcome::Acquired {
+        self.expire_at(&record, now + request.lease());
+        Ok(ClaimOutcome::Acquired {
             fence: self.last_fence,
-        }
+        })
     }
 
-    /// The entry `lease`'s owner holds in flight, if it still does.
-    fn held(&mut self, lease: &Lease) -> Option<&mut Entry> {
-        self.records.get_mut(lease.record()).filter(
-            |entry| matches!(entry.state, EntryState::InFlight { owner } if owner == lease.owner()),
-        )
+    /// The record `lease`'s owner holds in flight, if it still does.
+    fn held(&self, lease: &Lease) -> Option<Arc<RecordKey>> {
+        self.records
+            .get_key_value(lease.record())
+            .filter(|(_, entry)| {
+                matches!(entry.state, EntryState::InFlight { owner } if owner == lease.owner())
+            })
+            .map(|(record, _)| Arc::clone(record))
+    }
+
+    fn complete(
+        &mut self,
+        lease: &Lease,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> Ownership {
+        let Some(record) = self.held(lease) else {
+            return Ownership::Lost;
+        };
+        let bytes = size_of(response);
+        // Room for this one: the oldest other completed records go first. A response larger
+        // than the whole budget is kept alone.
+        self.make_room(0, bytes);
+        if let Some(entry) = self.records.get_mut(&record) {
+            entry.state = EntryState::Completed {
+                response: Arc::new(response.clone()),
+                fence: lease.fence(),
+                bytes,
+            };
+        }
+        self.bytes += bytes;
+        self.completed
+            .push_back((lease.fence(), Arc::clone(&record)));
+        self.expire_at(&record, Instant::now() + retention);
+        Ownership::Held
     }
 }
 
@@ -128,7 +300,7 @@ impl Store for MemoryStore {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         let outcome = self.lock().claim(request);
-        Box::pin(async move { Ok(outcome) })
+        Box::pin(async move { outcome })
     }
 
     fn renew<'a>(
@@ -136,13 +308,15 @@ impl Store for MemoryStore {
         lease: &'a Lease,
         duration: Duration,
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        let ownership = match self.lock().held(lease) {
-            Some(entry) => {
-                entry.expires_at = Instant::now() + duration;
+        let mut state = self.lock();
+        let ownership = match state.held(lease) {
+            Some(record) => {
+                state.expire_at(&record, Instant::now() + duration);
                 Ownership::Held
             }
             None => Ownership::Lost,
         };
+        drop(state);
         Box::pin(async move { Ok(ownership) })
     }
 
@@ -152,22 +326,15 @@ impl Store for MemoryStore {
         response: &'a StoredResponse,
         retention: Duration,
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        let ownership = match self.lock().held(lease) {
-            Some(entry) => {
-                entry.expires_at = Instant::now() + retention;
-                entry.state = EntryState::Completed(Box::new(response.clone()));
-                Ownership::Held
-            }
-            None => Ownership::Lost,
-        };
+        let ownership = self.lock().complete(lease, response, retention);
         Box::pin(async move { Ok(ownership) })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         let mut state = self.lock();
         let ownership = match state.held(lease) {
-            Some(_) => {
-                state.records.remove(lease.record());
+            Some(record) => {
+                state.remove(&record);
                 Ownership::Held
             }
             None => Ownership::Lost,
@@ -179,5 +346,116 @@ impl Store for MemoryStore {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::IdempotencyKey;
+    use bytes::Bytes;
+    use http::{HeaderMap, StatusCode};
+
     crate::store_conformance_tests!(async { super::MemoryStore::new() });
+
+    fn request(key: &str, lease: Duration) -> ClaimRequest {
+        let parts = http::Request::post("/").body(()).unwrap().into_parts().0;
+        ClaimRequest::new(
+            RecordKey::new("s", IdempotencyKey::try_from(key).unwrap()),
+            Fingerprint::of_request(&parts, &[], b""),
+            Uuid::new_v4(),
+            lease,
+        )
+    }
+
+    fn response(bytes: usize) -> StoredResponse {
+        let body = Bytes::from(vec![b'x'; bytes]);
+        StoredResponse::new(StatusCode::OK, HeaderMap::new(), Some(body), None)
+    }
+
+    async fn complete(store: &MemoryStore, key: &str, bytes: usize) {
+        let request = request(key, Duration::from_secs(30));
+        let ClaimOutcome::Acquired { fence } = store.claim(&request).await.unwrap() else {
+            panic!("{key} not acquired");
+        };
+        let lease = request.lease_with_fence(fence);
+        let retention = Duration::from_secs(3600);
+        assert_eq!(
+            store
+                .complete(&lease, &response(bytes), retention)
+                .await
+                .unwrap(),
+            Ownership::Held
+        );
+    }
+
+    #[tokio::test]
+    async fn the_byte_budget_evicts_the_oldest_completed_records() {
+        let store = MemoryStore::new().with_max_bytes(10 * 1024 * 1024);
+        for i in 0..30 {
+            complete(&store, &format!("k{i}"), 1024 * 1024).await;
+        }
+        assert!(store.bytes() <= 10 * 1024 * 1024, "{} bytes", store.bytes());
+        assert!(store.len() < 10);
+        // The newest is still replayed; the oldest runs again.
+        let newest = store.claim(&request("k29", Duration::from_secs(30))).await;
+        assert!(
+            matches!(newest, Ok(ClaimOutcome::Completed { .. })),
+            "{newest:?}"
+        );
+        let oldest = store.claim(&request("k0", Duration::from_secs(30))).await;
+        assert!(
+            matches!(oldest, Ok(ClaimOutcome::Acquired { .. })),
+            "{oldest:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn in_flight_records_are_never_evicted() {
+        let store = MemoryStore::new().with_max_entries(3);
+        complete(&store, "done", 10).await;
+        for key in ["a", "b"] {
+            store
+                .claim(&request(key, Duration::from_secs(30)))
+                .await
+                .unwrap();
+        }
+        // The completed record makes room for a third claim; then the store is full.
+        assert!(matches!(
+            store.claim(&request("c", Duration::from_secs(30))).await,
+            Ok(ClaimOutcome::Acquired { .. })
+        ));
+        assert!(
+            store
+                .claim(&request("d", Duration::from_secs(30)))
+                .await
+                .is_err()
+        );
+        for key in ["a", "b", "c"] {
+            assert!(matches!(
+                store.claim(&request(key, Duration::from_secs(30))).await,
+                Ok(ClaimOutcome::InFlight { .. })
+            ));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_records_go_without_a_scan() {
+        let store = MemoryStore::new();
+        for i in 0..100 {
+            complete(&store, &format!("k{i}"), 10).await;
+        }
+        store
+            .claim(&request("lease", Duration::from_secs(1)))
+            .await
+            .unwrap();
+        tokio::time::advance(Duration::from_secs(2)).await;
+        store
+            .claim(&request("any", Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(store.len(), 101, "only the lapsed claim went");
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        store
+            .claim(&request("any-2", Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(store.len(), 1);
+        assert_eq!(store.bytes(), 0);
+    }
 }

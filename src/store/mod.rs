@@ -44,7 +44,7 @@ mod postgres;
 mod redis;
 mod tiered;
 
-pub use memory::MemoryStore;
+pub use memory::{DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MAX_ENTRIES, MemoryStore};
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::commit;
 #[cfg(feature = "postgres")]
@@ -125,7 +125,7 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 }
 
 /// The identity of a record: a key within a scope (tenant, account, subject).
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RecordKey {
     scope: String,
     key: IdempotencyKey,
