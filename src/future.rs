@@ -2,18 +2,24 @@
 
 use std::{
     future::Future,
+    panic::AssertUnwindSafe,
     pin::Pin,
     task::{Context, Poll, ready},
 };
 
+use futures_util::FutureExt;
 use http::Response;
 use pin_project_lite::pin_project;
 use tokio::sync::oneshot;
+use tracing::{Instrument, Span};
 
 use crate::{body::ResponseBody, problem::Rejection};
 
-/// What the task running a guarded request sends back to its caller.
+/// What the work on a guarded request sends back to its caller.
 pub(crate) type Reply<B, E> = Result<Response<ResponseBody<B>>, E>;
+
+/// The work on a guarded request: reading the body, claiming, running the handler, finalizing.
+pub(crate) type Work = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 pin_project! {
     /// Response future of [`Idempotency`](crate::Idempotency).
@@ -28,11 +34,59 @@ pin_project! {
     enum Kind<F, B, E> {
         // A request the layer does not guard: the inner service's own future.
         Passthrough { #[pin] future: F },
-        // A guarded request, run by a task of its own so that it finishes even if this future
-        // is dropped.
-        Spawned { reply: oneshot::Receiver<Reply<B, E>> },
+        // A guarded request, worked on by this future (see `Guarded`).
+        Guarded { guarded: Guarded<B, E> },
         // An answer known at once (a bad key).
         Ready { response: Option<Response<ResponseBody<B>>> },
+    }
+}
+
+/// A guarded request's work, polled by the caller's own future, and its answer.
+///
+/// Running the work here rather than in a task of its own spares a spawn and a hand-off between
+/// tasks per request. The promise that the handler runs to completion (and its outcome is
+/// stored) even when the caller goes away is kept on drop: work that has not finished then
+/// moves to a task of its own. Work left once the caller has its answer (a response streamed
+/// past the cache limit, a finalize retried in the background) moves to a task too.
+///
+/// The work's events belong to the caller's span wherever it runs, and a panic outside the
+/// handler (whose own panics are caught where it runs) drops the reply: the caller gets a 500.
+pub(crate) struct Guarded<B, E> {
+    work: Option<Work>,
+    reply: oneshot::Receiver<Reply<B, E>>,
+    span: Span,
+}
+
+impl<B, E> Guarded<B, E> {
+    /// Polls the work, within the caller's span; `true` once it is done (or has panicked).
+    fn poll_work(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(work) = &mut self.work else {
+            return true;
+        };
+        let _entered = self.span.enter();
+        let polled = std::panic::catch_unwind(AssertUnwindSafe(|| work.as_mut().poll(cx)));
+        if !matches!(polled, Ok(Poll::Pending)) {
+            self.work = None;
+            return true;
+        }
+        false
+    }
+
+    /// Hands the unfinished work to a task of its own.
+    fn detach(&mut self) {
+        if let Some(work) = self.work.take() {
+            // Without a runtime (it is shutting down) nothing could run it anyway.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let work = AssertUnwindSafe(work).catch_unwind().map(drop);
+                runtime.spawn(work.instrument(self.span.clone()));
+            }
+        }
+    }
+}
+
+impl<B, E> Drop for Guarded<B, E> {
+    fn drop(&mut self) {
+        self.detach();
     }
 }
 
@@ -43,9 +97,15 @@ impl<F, B, E> ResponseFuture<F, B, E> {
         }
     }
 
-    pub(crate) fn spawned(reply: oneshot::Receiver<Reply<B, E>>) -> Self {
+    pub(crate) fn guarded(work: Work, reply: oneshot::Receiver<Reply<B, E>>, span: Span) -> Self {
         Self {
-            inner: Kind::Spawned { reply },
+            inner: Kind::Guarded {
+                guarded: Guarded {
+                    work: Some(work),
+                    reply,
+                    span,
+                },
+            },
         }
     }
 
@@ -69,14 +129,19 @@ where
             KindProj::Passthrough { future } => {
                 Poll::Ready(ready!(future.poll(cx)).map(|r| r.map(ResponseBody::passthrough)))
             }
-            KindProj::Spawned { reply } => Poll::Ready(match ready!(Pin::new(reply).poll(cx)) {
-                Ok(reply) => reply,
-                // The task ended without an answer: the runtime is shutting down.
-                Err(_) => Ok(Rejection::HandlerFailed
-                    .problem(None)
-                    .to_response()
-                    .map(|body| ResponseBody::full(body, None))),
-            }),
+            KindProj::Guarded { guarded } => {
+                guarded.poll_work(cx);
+                let answer = match ready!(Pin::new(&mut guarded.reply).poll(cx)) {
+                    Ok(reply) => reply,
+                    // The work ended without an answer: it panicked where no handler runs.
+                    Err(_) => Ok(Rejection::HandlerFailed
+                        .problem(None)
+                        .to_response()
+                        .map(|body| ResponseBody::full(body, None))),
+                };
+                guarded.detach();
+                Poll::Ready(answer)
+            }
             KindProj::Ready { response } => Poll::Ready(Ok(response
                 .take()
                 .expect("ResponseFuture polled after completion"))),

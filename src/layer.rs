@@ -10,7 +10,7 @@ use crate::{
     CompletionPolicy, Idempotency, Metrics,
     fingerprint::BodyFingerprintFn,
     problem::Problem,
-    protocol::{Durations, Waiters},
+    protocol::{Durations, Leases, Waiters},
     response::StoreRules,
     scope,
     store::Store,
@@ -65,6 +65,8 @@ pub(crate) struct Config {
 pub(crate) struct Shared {
     /// Requests waiting for a duplicate of theirs to finish.
     pub(crate) waiters: Waiters,
+    /// The leases this layer's requests hold, and the task that renews them.
+    pub(crate) leases: Leases,
     /// Recent handler durations, for `Retry-After` hints.
     pub(crate) durations: Durations,
     /// Whether the warning about a timeout layer inside this one was logged.
@@ -236,6 +238,8 @@ impl IdempotencyLayer {
     /// every third of this; if the instance dies, the key becomes claimable once it runs out.
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.config.lease = lease;
+        // Requests of layers with different leases are renewed on different schedules.
+        self.config.shared = Arc::default();
         self
     }
 

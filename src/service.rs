@@ -10,7 +10,6 @@ use http::{Request, Response};
 use http_body::Body;
 use tokio::sync::oneshot;
 use tower_service::Service;
-use tracing::Instrument;
 
 use crate::{
     IdempotencyKey,
@@ -27,8 +26,9 @@ use crate::{
 /// sharing its store, and replays the stored response to retries. Built by
 /// [`IdempotencyLayer`](crate::IdempotencyLayer).
 ///
-/// A guarded request runs in a task of its own (`tokio::spawn`), so its handler finishes, and its
-/// outcome is stored, even when the caller's future is dropped. This needs a Tokio runtime and
+/// A guarded request is worked on by its response future; if that future is dropped before the
+/// work is done, the work moves to a task of its own (`tokio::spawn`), so the handler finishes,
+/// and its outcome is stored, even when the caller goes away. This needs a Tokio runtime and
 /// `Send + 'static` services, futures and bodies.
 #[derive(Clone)]
 pub struct Idempotency<S> {
@@ -111,17 +111,15 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let (reply, receiver) = oneshot::channel();
-        let run = protocol::run(
+        // Boxed at once: the work's state is kilobytes, and moves through no wrapper.
+        let work = Box::pin(protocol::run(
             Arc::clone(&self.config),
             inner,
             RecordKey::new(scope, key),
             Request::from_parts(parts, body),
             reply,
-        );
-        // The task outlives this call (so the handler finishes even if the caller goes away);
-        // its events still belong to the caller's span.
-        tokio::spawn(run.instrument(tracing::Span::current()));
-        ResponseFuture::spawned(receiver)
+        ));
+        ResponseFuture::guarded(work, receiver, tracing::Span::current())
     }
 }
 

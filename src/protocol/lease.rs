@@ -2,7 +2,7 @@
 
 use std::{
     sync::{
-        Arc,
+        Arc, Mutex, PoisonError,
         atomic::{AtomicBool, Ordering::Relaxed},
     },
     time::Duration,
@@ -21,27 +21,86 @@ use crate::{
 /// tries again: the lease must be fresh as soon as that transaction ends.
 const BUSY_RETRY: Duration = Duration::from_millis(20);
 
-/// Renews a lease every third of its length from a task of its own, until dropped.
+/// The leases a layer's requests hold, renewed by one task of the layer's own.
 ///
 /// A task of its own, not a branch of the handler's: a handler that blocks its worker thread
 /// (synchronous I/O, a long computation) would block its own renewals too, and lose its key while
 /// it still runs. On a multi-thread runtime another worker renews; a current-thread runtime has
 /// no other worker, so there a blocking handler still loses its lease.
+///
+/// One task for all of them, not one per request: a request shorter than a third of its lease
+/// (most are) costs an entry in a map and nothing else. The task sleeps until the next renewal
+/// is due, and goes away after a lease without any.
+#[derive(Debug, Default)]
+pub(crate) struct Leases {
+    state: Mutex<LeasesState>,
+}
+
+#[derive(Debug, Default)]
+struct LeasesState {
+    /// Held leases by slot; a slot is reused once its request is done.
+    held: Vec<Option<Held>>,
+    free: Vec<usize>,
+    keeper: Option<JoinHandle<()>>,
+}
+
+#[derive(Debug)]
+struct Held {
+    lease: Lease,
+    /// The lease length each renewal asks for.
+    length: Duration,
+    /// When the next renewal is due; `None` while one is under way.
+    due: Option<Instant>,
+    lost: Arc<AtomicBool>,
+    /// Tells a renewal that outlived its request from the slot's next holder.
+    generation: u64,
+}
+
+/// A lease held for a request, renewed until this is dropped.
 pub(crate) struct Keeper {
-    task: JoinHandle<()>,
+    config: Arc<Config>,
+    slot: usize,
     lost: Arc<AtomicBool>,
 }
 
+static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 impl Keeper {
-    /// Starts renewing. Yields once, so that the renewal task is running (its timer armed)
-    /// before the handler starts: a task just spawned waits in its worker's LIFO slot, which no
-    /// other worker steals, and a handler that blocked that worker would keep it from ever
-    /// starting.
+    /// Starts renewing `lease` every third of the layer's lease length.
     pub(crate) async fn start(config: Arc<Config>, lease: Lease) -> Self {
         let lost = Arc::new(AtomicBool::new(false));
-        let task = tokio::spawn(keep(config, lease, Arc::clone(&lost)));
-        tokio::task::yield_now().await;
-        Self { task, lost }
+        let held = Held {
+            lease,
+            length: config.lease,
+            due: Some(Instant::now() + period(config.lease)),
+            lost: Arc::clone(&lost),
+            generation: GENERATION.fetch_add(1, Relaxed),
+        };
+        let (slot, spawned) = {
+            let mut state = config.shared.leases.lock();
+            let slot = match state.free.pop() {
+                Some(slot) => {
+                    state.held[slot] = Some(held);
+                    slot
+                }
+                None => {
+                    state.held.push(Some(held));
+                    state.held.len() - 1
+                }
+            };
+            let running = state.keeper.as_ref().is_some_and(|k| !k.is_finished());
+            if !running {
+                state.keeper = Some(tokio::spawn(keep(Arc::clone(&config))));
+            }
+            (slot, !running)
+        };
+        if spawned {
+            // A task just spawned waits in its worker's LIFO slot, which no other worker
+            // steals: yield, so that it runs (and arms its timer) before a handler that blocks
+            // this worker starts.
+            tokio::task::yield_now().await;
+        }
+        Self { config, slot, lost }
     }
 
     /// Whether a renewal found the key in another owner's hands.
@@ -52,30 +111,103 @@ impl Keeper {
 
 impl Drop for Keeper {
     fn drop(&mut self) {
-        self.task.abort();
+        let mut state = self.config.shared.leases.lock();
+        state.held[self.slot] = None;
+        state.free.push(self.slot);
     }
 }
 
-async fn keep(config: Arc<Config>, lease: Lease, lost: Arc<AtomicBool>) {
-    // A zero lease would make this loop spin.
-    let period = (config.lease / 3).max(Duration::from_millis(1));
-    let mut pause = period;
+impl Leases {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LeasesState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Renewals every third of the lease; never zero, which would spin.
+fn period(lease: Duration) -> Duration {
+    (lease / 3).max(Duration::from_millis(1))
+}
+
+/// The keeper: renews what is due, sleeps until the next is, and ends after a lease without any
+/// lease to keep. Each renewal runs in a task of its own, so a slow store delays no other.
+/// Requests shorter than a third of their lease never come due: for them a slot was all.
+async fn keep(config: Arc<Config>) {
+    let mut idle_since = Instant::now();
     loop {
-        tokio::time::sleep(pause).await;
-        pause = match config.store.renew(&lease, config.lease).await {
-            Ok(Ownership::Held) => period,
-            Ok(Ownership::Busy) => BUSY_RETRY.min(period),
-            Ok(_) => {
-                lost.store(true, Relaxed);
-                config.metrics.add(|m| &m.leases_lost);
-                tracing::warn!(record = %lease.record(), owner = %lease.owner(), "lease lost while the handler runs; its outcome will not be stored");
+        let now = Instant::now();
+        let mut next = now + period(config.lease);
+        let mut due = Vec::new();
+        {
+            let mut state = config.shared.leases.lock();
+            let mut holding = false;
+            for (slot, held) in state.held.iter_mut().enumerate() {
+                let Some(held) = held else { continue };
+                holding = true;
+                match held.due {
+                    Some(when) if when <= now => {
+                        held.due = None;
+                        due.push((slot, held.generation, held.lease.clone(), held.length));
+                    }
+                    Some(when) => next = next.min(when),
+                    None => {}
+                }
+            }
+            if holding {
+                idle_since = now;
+            } else if now - idle_since >= config.lease {
+                // Nothing held for a whole lease: let the task go. The next lease starts another.
+                state.keeper = None;
                 return;
             }
+        }
+        for (slot, generation, lease, length) in due {
+            tokio::spawn(renew(Arc::clone(&config), slot, generation, lease, length));
+        }
+        tokio::time::sleep_until(next).await;
+    }
+}
+
+/// One renewal; schedules the next one, or marks the lease lost. A record locked by the
+/// handler's own fence transaction is tried again every 20 ms, so that the lease is fresh as
+/// soon as that transaction ends.
+async fn renew(config: Arc<Config>, slot: usize, generation: u64, lease: Lease, length: Duration) {
+    let still_held = |config: &Config| {
+        config.shared.leases.lock().held[slot]
+            .as_ref()
+            .is_some_and(|h| h.generation == generation)
+    };
+    let next = loop {
+        match config.store.renew(&lease, length).await {
+            Ok(Ownership::Held) => break Some(period(length)),
+            Ok(Ownership::Busy) => {
+                tokio::time::sleep(BUSY_RETRY.min(period(length))).await;
+                if !still_held(&config) {
+                    return;
+                }
+            }
+            Ok(_) => break None,
             Err(error) => {
                 tracing::warn!(record = %lease.record(), error = %Chain(&error), "lease renewal failed; retrying");
-                period
+                break Some(period(length));
             }
-        };
+        }
+    };
+    let mut state = config.shared.leases.lock();
+    let Some(held) = state.held[slot]
+        .as_mut()
+        .filter(|h| h.generation == generation)
+    else {
+        // Finished meanwhile.
+        return;
+    };
+    match next {
+        Some(after) => held.due = Some(Instant::now() + after),
+        None => {
+            held.lost.store(true, Relaxed);
+            drop(state);
+            config.metrics.add(|m| &m.leases_lost);
+            tracing::warn!(record = %lease.record(), owner = %lease.owner(), "lease lost while the handler runs; its outcome will not be stored");
+        }
     }
 }
 

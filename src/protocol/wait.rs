@@ -20,6 +20,8 @@ use crate::store::RecordKey;
 #[derive(Debug, Default)]
 pub(crate) struct Waiters {
     keys: Mutex<HashMap<RecordKey, Weak<Notify>>>,
+    /// How many keys are watched: finalizing costs nothing while no request waits.
+    watched: AtomicUsize,
 }
 
 /// A waiter's interest in one key; the entry goes when the last waiter does.
@@ -37,6 +39,7 @@ impl Waiters {
             None => {
                 let notify = Arc::new(Notify::new());
                 keys.insert(record.clone(), Arc::downgrade(&notify));
+                self.watched.store(keys.len(), Relaxed);
                 notify
             }
         };
@@ -49,6 +52,9 @@ impl Waiters {
 
     /// Wakes every request of this process waiting on `record`.
     pub(crate) fn wake(&self, record: &RecordKey) {
+        if self.watched.load(Relaxed) == 0 {
+            return;
+        }
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(notify) = keys.get(record).and_then(Weak::upgrade) {
             notify.notify_waiters();
@@ -72,6 +78,7 @@ impl Drop for Watch<'_> {
         // The map holds a weak reference: this is the last waiter when ours is the only strong one.
         if Arc::strong_count(&self.notify) == 1 {
             keys.remove(self.record);
+            self.waiters.watched.store(keys.len(), Relaxed);
         }
     }
 }
