@@ -546,21 +546,43 @@ async fn a_database_that_is_down_means_503_and_no_execution_until_it_returns() {
 }
 
 #[tokio::test]
-async fn an_exhausted_pool_is_a_fast_503() {
+async fn busy_store_connections_are_a_fast_503_and_the_application_pool_is_untouched() {
     let schema = TestSchema::new().await;
+    // The application's pool has one connection, which the application holds.
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(Duration::from_millis(300))
         .connect_with(schema_options(&database_url(), &schema.name))
         .await
         .unwrap();
-    let runs = Arc::new(AtomicUsize::new(0));
-    let app = counting_app(PostgresStore::new(pool.clone()), &runs);
-
     let held = pool.acquire().await.unwrap();
+    let store = PostgresStore::new(pool.clone())
+        .with_max_connections(1)
+        .with_timeout(Duration::from_millis(500));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_app(store, &runs);
+    // The store has connections of its own: the application's busy pool is no obstacle.
+    assert_eq!(order(&app, "k-own").await.status(), StatusCode::CREATED);
+
+    // Its one connection stuck behind a lock: the next claim is a 503 within the bound.
+    let mut locker = PgPool::connect_with(schema_options(&database_url(), &schema.name))
+        .await
+        .unwrap()
+        .begin()
+        .await
+        .unwrap();
+    sqlx::query("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let stuck = tokio::spawn({
+        let app = app.clone();
+        async move { order(&app, "k-stuck").await.status() }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
     let started = Instant::now();
     assert_eq!(
-        order(&app, "k-pool").await.status(),
+        order(&app, "k-busy").await.status(),
         StatusCode::SERVICE_UNAVAILABLE
     );
     assert!(
@@ -568,9 +590,11 @@ async fn an_exhausted_pool_is_a_fast_503() {
         "took {:?}",
         started.elapsed()
     );
-    assert_eq!(runs.load(SeqCst), 0);
+    assert_eq!(stuck.await.unwrap(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(runs.load(SeqCst), 1);
+    locker.rollback().await.unwrap();
+    assert_eq!(order(&app, "k-busy").await.status(), StatusCode::CREATED);
     drop(held);
-    assert_eq!(order(&app, "k-pool").await.status(), StatusCode::CREATED);
     pool.close().await;
     schema.drop().await;
 }
@@ -617,5 +641,83 @@ async fn a_claim_the_client_gave_up_on_never_acquires_later() {
         "a claim the client gave up on acquired the key later"
     );
     acquire(&store, &claim_request("k-given-up", LONG)).await;
+    schema.drop().await;
+}
+
+/// Sequential and index scans of `idempotency_keys` so far, as the statistics collector has them.
+async fn scans(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT seq_scan, coalesce(idx_scan, 0) FROM pg_stat_user_tables
+         WHERE relid = 'idempotency_keys'::regclass",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_and_fences_stay_index_lookups_after_the_table_grew_from_empty() {
+    let schema = TestSchema::new().await;
+    // One connection for the store and one for the application: every statement below runs on
+    // the same two sessions, as on a long-lived instance.
+    let app_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(schema_options(&database_url(), &schema.name))
+        .await
+        .unwrap();
+    let store = PostgresStore::new(app_pool.clone()).with_max_connections(1);
+    // A fresh deployment: the table is empty, and analyzed so.
+    sqlx::query("ANALYZE idempotency_keys")
+        .execute(&schema.pool)
+        .await
+        .unwrap();
+    let mut n = 0;
+    let mut claim_and_fence = async |store: &PostgresStore| {
+        n += 1;
+        let request = claim_request(&format!("k-{n}"), LONG);
+        let lease = acquire(store, &request).await;
+        let mut tx = app_pool.begin().await.unwrap();
+        claim_for(lease.clone(), LONG).commit(&mut tx).await.unwrap();
+        tx.commit().await.unwrap();
+        store
+            .complete(&lease, &response(StatusCode::OK), LONG)
+            .await
+            .unwrap();
+    };
+    // More than the five executions after which Postgres may settle on a generic plan.
+    for _ in 0..10 {
+        claim_and_fence(&store).await;
+    }
+    sqlx::query(
+        "INSERT INTO idempotency_keys (scope, key, fingerprint, state, owner, fence, lease_until,
+                                       expires_at, status, response)
+         SELECT 'grown', 'g' || i, '\\x00', 'completed', gen_random_uuid(), i, now(),
+                now() + interval '1 day', 200, '\\x00'
+         FROM generate_series(1, 200000) AS i",
+    )
+    .execute(&schema.pool)
+    .await
+    .unwrap();
+    // Statistics reach the collector from each session at most once a second, at the end of
+    // a transaction: wait, and end one on each session.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    claim_and_fence(&store).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let before = scans(&schema.pool).await;
+    for _ in 0..50 {
+        claim_and_fence(&store).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    claim_and_fence(&store).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let after = scans(&schema.pool).await;
+    println!(
+        "200k rows grown under 2 sessions: 51 claims, fences and completions made {} sequential \
+         and {} index scans",
+        after.0 - before.0,
+        after.1 - before.1
+    );
+    assert_eq!(after.0 - before.0, 0, "sequential scans of a grown table");
+    assert!(after.1 - before.1 >= 51, "{before:?} → {after:?}");
     schema.drop().await;
 }

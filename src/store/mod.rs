@@ -49,7 +49,8 @@ pub use memory::{DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MAX_ENTRIES, MemorySto
 pub(crate) use postgres::commit;
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    DEFAULT_POSTGRES_TIMEOUT, DEFAULT_SWEEP_BATCH, FenceError, MIGRATOR, PostgresStore,
+    DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_TIMEOUT, DEFAULT_SWEEP_BATCH, FenceError,
+    MIGRATOR, PostgresStore,
 };
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_REDIS_TIMEOUT, RedisStore};

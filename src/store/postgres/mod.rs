@@ -1,14 +1,19 @@
 //! The Postgres store: the source of truth, a row per key behind a primary key.
 
+mod connections;
+mod sql;
+
 use std::{
     future::Future,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 use bytes::Bytes;
-use sqlx::{PgConnection, PgPool, Row, migrate::Migrator};
+use sqlx::{Connection, PgConnection, PgPool, Row, migrate::Migrator};
 use tokio::task::JoinHandle;
 
+use self::{connections::Connections, sql::*};
 use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, Store, StoreError,
 };
@@ -30,6 +35,9 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
 /// The default bound on one Postgres operation (acquiring a connection included).
 pub const DEFAULT_POSTGRES_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The default number of connections the store opens for its own statements.
+pub const DEFAULT_POSTGRES_CONNECTIONS: usize = 16;
 
 /// Rows the sweeper deletes per statement, by default.
 pub const DEFAULT_SWEEP_BATCH: i64 = 500;
@@ -60,166 +68,30 @@ const STORE: &str = "postgres";
 /// layer answers with 503 without running the handler; a claim also checks that bound on the
 /// server's clock before it inserts, so one the client gave up on never acquires later. Give the
 /// pool an `acquire_timeout` below that bound.
+///
+/// The store's statements run on connections of its own (up to 16,
+/// [`with_max_connections`](Self::with_max_connections)), made with the pool's connect options:
+/// sqlx's pool would add a health-check round trip before and after every statement, and the
+/// store's connections carry settings of their own (custom plans, so that no cached generic plan
+/// made on an empty table ever scans the grown one; and a statement timeout equal to the store's
+/// bound). The pool serves the handlers' transactions and the migrations. Budget for both in
+/// the server's `max_connections`.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    connections: Arc<Connections>,
+    max_connections: usize,
     timeout: Duration,
     sweep_batch: i64,
 }
 
-/// The claim's common path, one round trip: insert the key if there is no row, or say what the
-/// row there is. Rows that need more (an expired row to take over, a committed key whose lease
-/// lapsed) are settled by [`PostgresStore::settle`] under a row lock.
-///
-/// $1 scope, $2 key, $3 fingerprint, $4 owner, $5 lease (ms), $6 what is left of the caller's
-/// time (ms): the insert happens only within it, measured on the server's clock from the start
-/// of the statement's transaction (`now()`, taken before any lock wait; `statement_timestamp()`
-/// would be the time the server got round to reading the message), so a claim the caller gave
-/// up on (say it waited on a lock) never acquires later.
-const CLAIM: &str = r"
-WITH cur AS (
-    SELECT state, fingerprint = $3 AS same, response, suspect,
-           lease_until > now() AS leased, expires_at > now() AS live,
-           ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
-           ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms
-    FROM idempotency_keys
-    WHERE scope = $1 AND key = $2
-),
-claimed AS (
-    INSERT INTO idempotency_keys
-        (scope, key, fingerprint, state, owner, fence, lease_until, expires_at)
-    SELECT $1, $2, $3, 'in_flight', $4, nextval('idempotency_fence'),
-           now() + $5::float8 * interval '1 millisecond',
-           now() + $5::float8 * interval '1 millisecond'
-    WHERE NOT EXISTS (SELECT 1 FROM cur)
-      AND clock_timestamp() < now() + $6::float8 * interval '1 millisecond'
-    ON CONFLICT (scope, key) DO NOTHING
-    RETURNING fence
-)
-SELECT 'acquired' AS verdict, fence, NULL::bytea AS response,
-       NULL::int8 AS lease_ms, NULL::int8 AS expires_ms
-FROM claimed
-UNION ALL
-SELECT CASE
-           WHEN NOT live THEN 'expired'
-           WHEN NOT same THEN 'mismatch'
-           WHEN state = 'completed' OR response IS NOT NULL THEN 'completed'
-           WHEN leased THEN 'in_flight'
-           WHEN suspect THEN 'orphaned'
-           ELSE 'lapsed'
-       END,
-       NULL, CASE WHEN same THEN response END, lease_ms, expires_ms
-FROM cur
-";
-
-/// Locks a row that needs settling, unless another transaction holds it.
-const LOCK: &str = r"
-SELECT fingerprint = $3 AS same, state, response IS NOT NULL AS answered, suspect,
-       lease_until > now() AS leased, expires_at > now() AS live
-FROM idempotency_keys
-WHERE scope = $1 AND key = $2
-FOR UPDATE SKIP LOCKED
-";
-
-/// Whether the row still needs settling, seen without a lock: then a transaction holds it.
-const UNSETTLED: &str = r"
-SELECT EXISTS (
-    SELECT 1 FROM idempotency_keys
-    WHERE scope = $1 AND key = $2
-      AND (expires_at <= now()
-           OR (state = 'committed' AND response IS NULL AND lease_until <= now()))
-)
-";
-
-/// Takes over an expired row, as a fresh claim would have created it.
-const TAKE_OVER: &str = r"
-UPDATE idempotency_keys
-SET fingerprint = $3, state = 'in_flight', owner = $4, fence = nextval('idempotency_fence'),
-    lease_until = now() + $5::float8 * interval '1 millisecond',
-    expires_at = now() + $5::float8 * interval '1 millisecond',
-    status = NULL, response = NULL, suspect = false, created_at = now(), updated_at = now()
-WHERE scope = $1 AND key = $2
-RETURNING fence
-";
-
-/// Gives the owner of a committed key whose lease lapsed a grace to show it is alive.
-const SUSPECT: &str = r"
-UPDATE idempotency_keys
-SET suspect = true, lease_until = now() + $3::float8 * interval '1 millisecond'
-WHERE scope = $1 AND key = $2
-";
-
-/// Renews without waiting on a row lock: a locked row answers `renewed = false, owned = true`.
-const RENEW: &str = r"
-WITH target AS (
-    SELECT scope, key FROM idempotency_keys
-    WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
-    FOR NO KEY UPDATE SKIP LOCKED
-),
-renewed AS (
-    UPDATE idempotency_keys k
-    SET lease_until = now() + $4::float8 * interval '1 millisecond',
-        expires_at = CASE WHEN k.state = 'in_flight'
-                          THEN now() + $4::float8 * interval '1 millisecond'
-                          ELSE greatest(k.expires_at, now() + $4::float8 * interval '1 millisecond')
-                     END,
-        suspect = false, updated_at = now()
-    FROM target
-    WHERE k.scope = target.scope AND k.key = target.key
-    RETURNING 1
-)
-SELECT EXISTS (SELECT 1 FROM renewed) AS renewed,
-       EXISTS (SELECT 1 FROM idempotency_keys
-               WHERE scope = $1 AND key = $2 AND owner = $3
-                 AND state IN ('in_flight', 'committed')) AS owned
-";
-
-const COMPLETE: &str = r"
-UPDATE idempotency_keys
-SET state = 'completed', status = $4, response = $5, lease_until = now(),
-    expires_at = now() + $6::float8 * interval '1 millisecond', updated_at = now()
-WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
-";
-
-const RELEASE: &str = r"
-WITH released AS (
-    DELETE FROM idempotency_keys
-    WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'in_flight'
-    RETURNING 1
-)
-SELECT EXISTS (SELECT 1 FROM released) AS released,
-       EXISTS (SELECT 1 FROM idempotency_keys
-               WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'committed') AS committed
-";
-
-/// The fence: run by the handler inside its own transaction. The lease restarts from the
-/// statement's own clock, and the response, when the handler gives one, is stored with it.
-const COMMIT: &str = r"
-UPDATE idempotency_keys
-SET state = 'committed',
-    lease_until = clock_timestamp() + $5::float8 * interval '1 millisecond', suspect = false,
-    expires_at = greatest(expires_at, now() + $4::float8 * interval '1 millisecond'),
-    status = coalesce($6, status), response = coalesce($7, response),
-    updated_at = now()
-WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
-";
-
-const SWEEP: &str = r"
-WITH doomed AS (
-    SELECT scope, key FROM idempotency_keys
-    WHERE expires_at <= now()
-    ORDER BY expires_at
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
-)
-DELETE FROM idempotency_keys k
-USING doomed
-WHERE k.scope = doomed.scope AND k.key = doomed.key
-";
-
 /// Claims race only when a competing claim commits between two statements; after this many
 /// rounds the key is reported in flight.
 const CLAIM_ROUNDS: usize = 4;
+
+/// Taken off a claim's time left before it is sent: the claim must not insert after its caller
+/// gave up, however long the message took to reach the server.
+const SEND_MARGIN: Duration = Duration::from_millis(5);
 
 /// What a claim that meets a row locked by another transaction answers: the holder is alive
 /// (a fence transaction, another claim, a renewal), and done soon.
@@ -228,17 +100,43 @@ const LOCKED_RETRY: Duration = Duration::from_millis(100);
 impl PostgresStore {
     /// A store on `pool`. Run the migrations first ([`migrate`](Self::migrate)).
     pub fn new(pool: PgPool) -> Self {
+        let connections = Connections::new(
+            &pool.connect_options(),
+            DEFAULT_POSTGRES_CONNECTIONS,
+            DEFAULT_POSTGRES_TIMEOUT,
+        );
         Self {
             pool,
+            connections: Arc::new(connections),
+            max_connections: DEFAULT_POSTGRES_CONNECTIONS,
             timeout: DEFAULT_POSTGRES_TIMEOUT,
             sweep_batch: DEFAULT_SWEEP_BATCH,
         }
     }
 
     /// The bound on each operation; past it the operation fails with [`StoreError::Timeout`].
+    /// The server holds the store's statements to it too (`statement_timeout`).
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self.reconnect();
         self
+    }
+
+    /// How many connections the store opens for its own statements (16 by default), apart from
+    /// the pool's.
+    pub fn with_max_connections(mut self, connections: usize) -> Self {
+        self.max_connections = connections;
+        self.reconnect();
+        self
+    }
+
+    fn reconnect(&mut self) {
+        let options = self.pool.connect_options();
+        self.connections = Arc::new(Connections::new(
+            &options,
+            self.max_connections,
+            self.timeout,
+        ));
     }
 
     /// How many rows one sweep statement deletes (500 by default): small batches keep locks and
@@ -268,11 +166,15 @@ impl PostgresStore {
         let mut total = 0;
         loop {
             let deleted = self
-                .bounded(
-                    sqlx::query(SWEEP)
+                .bounded(async {
+                    let mut connection = self.connections.lend().await?;
+                    let result = sqlx::query(SWEEP)
                         .bind(self.sweep_batch)
-                        .execute(&self.pool),
-                )
+                        .execute(&mut *connection)
+                        .await;
+                    connection.give_back(&result);
+                    result
+                })
                 .await?
                 .rows_affected();
             total += deleted;
@@ -305,7 +207,7 @@ impl PostgresStore {
         operation: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, StoreError> {
         match tokio::time::timeout(self.timeout, operation).await {
-            Ok(result) => result.map_err(backend),
+            Ok(result) => result.map_err(|e| self.failed(e)),
             Err(_elapsed) => Err(self.timed_out()),
         }
     }
@@ -325,9 +227,12 @@ impl PostgresStore {
         started: Instant,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
         let record = request.record();
+        let mut connection = self.connections.lend().await.map_err(backend)?;
+        // What is left of the caller's time once a connection is in hand, less a margin for the
+        // message's way to the server: the server inserts only within it.
         let left = self
             .timeout
-            .checked_sub(started.elapsed())
+            .checked_sub(started.elapsed() + SEND_MARGIN)
             .ok_or_else(|| self.timed_out())?;
         let row = sqlx::query(CLAIM)
             .bind(record.scope())
@@ -336,9 +241,10 @@ impl PostgresStore {
             .bind(request.owner())
             .bind(millis(request.lease()))
             .bind(millis(left))
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(backend)?;
+            .fetch_optional(&mut *connection)
+            .await;
+        connection.give_back(&row);
+        let row = row.map_err(|e| self.failed(e))?;
         let Some(row) = row else {
             // A competing claim committed after this statement's snapshot (or the statement ran
             // past the caller's time and inserted nothing): look again.
@@ -390,62 +296,82 @@ impl PostgresStore {
     /// renew. A row another transaction holds is in flight: its holder is alive. `None` when
     /// the row changed meanwhile and must be read again.
     async fn settle(&self, request: &ClaimRequest) -> Result<Option<ClaimOutcome>, StoreError> {
-        let record = request.record();
-        let mut tx = self.pool.begin().await.map_err(backend)?;
-        let locked = sqlx::query(LOCK)
+        let mut connection = self.connections.lend().await.map_err(backend)?;
+        let settled = settle(&mut connection, request).await;
+        connection.give_back(&settled);
+        settled.map_err(|e| self.failed(e))
+    }
+
+    /// A failure of one of the store's statements: the server's statement timeout is a timeout.
+    fn failed(&self, error: sqlx::Error) -> StoreError {
+        let cancelled = error
+            .as_database_error()
+            .and_then(|e| e.code())
+            .is_some_and(|code| code == "57014");
+        if cancelled {
+            self.timed_out()
+        } else {
+            backend(error)
+        }
+    }
+}
+
+/// See [`PostgresStore::settle`]: in a transaction of its own on `connection`.
+async fn settle(
+    connection: &mut PgConnection,
+    request: &ClaimRequest,
+) -> Result<Option<ClaimOutcome>, sqlx::Error> {
+    let record = request.record();
+    let mut tx = connection.begin().await?;
+    let locked = sqlx::query(LOCK)
+        .bind(record.scope())
+        .bind(record.key().as_str())
+        .bind(&request.fingerprint().as_bytes()[..])
+        .fetch_optional(&mut *tx)
+        .await?;
+    let Some(row) = locked else {
+        let unsettled: bool = sqlx::query_scalar(UNSETTLED)
+            .bind(record.scope())
+            .bind(record.key().as_str())
+            .fetch_one(&mut *tx)
+            .await?;
+        return Ok(unsettled.then_some(ClaimOutcome::InFlight {
+            retry_after: LOCKED_RETRY,
+        }));
+    };
+    let flag = |column| row.try_get::<bool, _>(column);
+    let state: String = row.try_get("state")?;
+    let outcome = if !flag("live")? {
+        let fence: i64 = sqlx::query_scalar(TAKE_OVER)
             .bind(record.scope())
             .bind(record.key().as_str())
             .bind(&request.fingerprint().as_bytes()[..])
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(backend)?;
-        let Some(row) = locked else {
-            let unsettled: bool = sqlx::query_scalar(UNSETTLED)
-                .bind(record.scope())
-                .bind(record.key().as_str())
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(backend)?;
-            return Ok(unsettled.then_some(ClaimOutcome::InFlight {
-                retry_after: LOCKED_RETRY,
-            }));
-        };
-        let flag = |column| row.try_get::<bool, _>(column).map_err(backend);
-        let state: String = row.try_get("state").map_err(backend)?;
-        let outcome = if !flag("live")? {
-            let fence: i64 = sqlx::query_scalar(TAKE_OVER)
-                .bind(record.scope())
-                .bind(record.key().as_str())
-                .bind(&request.fingerprint().as_bytes()[..])
-                .bind(request.owner())
-                .bind(millis(request.lease()))
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(backend)?;
-            ClaimOutcome::Acquired {
-                fence: u64::try_from(fence).unwrap_or_default(),
-            }
-        } else if state == "committed"
-            && flag("same")?
-            && !flag("answered")?
-            && !flag("leased")?
-            && !flag("suspect")?
-        {
-            let grace = request.lease() / 2;
-            sqlx::query(SUSPECT)
-                .bind(record.scope())
-                .bind(record.key().as_str())
-                .bind(millis(grace))
-                .execute(&mut *tx)
-                .await
-                .map_err(backend)?;
-            ClaimOutcome::InFlight { retry_after: grace }
-        } else {
-            return Ok(None);
-        };
-        tx.commit().await.map_err(backend)?;
-        Ok(Some(outcome))
-    }
+            .bind(request.owner())
+            .bind(millis(request.lease()))
+            .fetch_one(&mut *tx)
+            .await?;
+        ClaimOutcome::Acquired {
+            fence: u64::try_from(fence).unwrap_or_default(),
+        }
+    } else if state == "committed"
+        && flag("same")?
+        && !flag("answered")?
+        && !flag("leased")?
+        && !flag("suspect")?
+    {
+        let grace = request.lease() / 2;
+        sqlx::query(SUSPECT)
+            .bind(record.scope())
+            .bind(record.key().as_str())
+            .bind(millis(grace))
+            .execute(&mut *tx)
+            .await?;
+        ClaimOutcome::InFlight { retry_after: grace }
+    } else {
+        return Ok(None);
+    };
+    tx.commit().await?;
+    Ok(Some(outcome))
 }
 
 impl Store for PostgresStore {
@@ -480,14 +406,18 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let record = lease.record();
             let row = self
-                .bounded(
-                    sqlx::query(RENEW)
+                .bounded(async {
+                    let mut connection = self.connections.lend().await?;
+                    let result = sqlx::query(RENEW)
                         .bind(record.scope())
                         .bind(record.key().as_str())
                         .bind(lease.owner())
                         .bind(millis(duration))
-                        .fetch_one(&self.pool),
-                )
+                        .fetch_one(&mut *connection)
+                        .await;
+                    connection.give_back(&result);
+                    result
+                })
                 .await?;
             let renewed: bool = row.try_get("renewed").map_err(backend)?;
             let owned: bool = row.try_get("owned").map_err(backend)?;
@@ -507,17 +437,22 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
             let record = lease.record();
+            let encoded = response.encode();
             let updated = self
-                .bounded(
-                    sqlx::query(COMPLETE)
+                .bounded(async {
+                    let mut connection = self.connections.lend().await?;
+                    let result = sqlx::query(COMPLETE)
                         .bind(record.scope())
                         .bind(record.key().as_str())
                         .bind(lease.owner())
                         .bind(response.status().as_u16() as i16)
-                        .bind(&response.encode()[..])
+                        .bind(&encoded[..])
                         .bind(millis(retention))
-                        .execute(&self.pool),
-                )
+                        .execute(&mut *connection)
+                        .await;
+                    connection.give_back(&result);
+                    result
+                })
                 .await?;
             Ok(held_if_one(updated.rows_affected()))
         })
@@ -527,13 +462,17 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let record = lease.record();
             let row = self
-                .bounded(
-                    sqlx::query(RELEASE)
+                .bounded(async {
+                    let mut connection = self.connections.lend().await?;
+                    let result = sqlx::query(RELEASE)
                         .bind(record.scope())
                         .bind(record.key().as_str())
                         .bind(lease.owner())
-                        .fetch_one(&self.pool),
-                )
+                        .fetch_one(&mut *connection)
+                        .await;
+                    connection.give_back(&result);
+                    result
+                })
                 .await?;
             let released: bool = row.try_get("released").map_err(backend)?;
             let committed: bool = row.try_get("committed").map_err(backend)?;
@@ -557,7 +496,7 @@ pub(crate) async fn commit(
 ) -> Result<(), FenceError> {
     let (retention, lease_duration) = times;
     let record = lease.record();
-    let updated = sqlx::query(COMMIT)
+    let fenced: bool = sqlx::query_scalar(COMMIT)
         .bind(record.scope())
         .bind(record.key().as_str())
         .bind(lease.owner())
@@ -565,14 +504,13 @@ pub(crate) async fn commit(
         .bind(millis(lease_duration))
         .bind(response.map(|r| r.status().as_u16() as i16))
         .bind(response.map(|r| r.encode().to_vec()))
-        .execute(connection)
+        .fetch_one(connection)
         .await
         .map_err(|source| FenceError::Database {
             record: record.clone(),
             source,
-        })?
-        .rows_affected();
-    if updated == 1 {
+        })?;
+    if fenced {
         Ok(())
     } else {
         Err(FenceError::LeaseLost {

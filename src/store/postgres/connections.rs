@@ -1,0 +1,125 @@
+//! The store's own connections to Postgres.
+
+use std::{
+    sync::{Mutex, PoisonError},
+    time::Duration,
+};
+
+use sqlx::{Connection, PgConnection, postgres::PgConnectOptions};
+use tokio::{
+    sync::{Semaphore, SemaphorePermit},
+    time::Instant,
+};
+
+/// A connection that has been idle longer than this is checked before it is used again.
+const STALE_AFTER: Duration = Duration::from_secs(30);
+
+/// Connections of the store's own, apart from the application's pool.
+///
+/// Three reasons. sqlx's pool checks a connection with a round trip when it hands it out and
+/// again when it takes it back: three round trips for every statement instead of one, and a
+/// task spawned per statement. A connection of our own can carry session settings that are the
+/// store's business alone: custom plans for every statement (a generic plan cached while the
+/// table was empty scans the whole table forever after), and a statement timeout, so that a
+/// statement the store gave up on is also abandoned by the server. And the store's statements
+/// never queue behind the application's, nor the application's behind them.
+///
+/// A connection is reused only after it answered: one that failed (other than with a database
+/// error, after which it is still in step) or whose statement was abandoned is closed. One that
+/// idled for more than 30 s is checked with a round trip before it is lent again.
+#[derive(Debug)]
+pub(super) struct Connections {
+    options: PgConnectOptions,
+    idle: Mutex<Vec<(PgConnection, Instant)>>,
+    permits: Semaphore,
+}
+
+impl Connections {
+    /// Up to `max` connections made with `options`, plus the store's session settings.
+    pub(super) fn new(options: &PgConnectOptions, max: usize, statement_timeout: Duration) -> Self {
+        let options = options.clone().options([
+            ("plan_cache_mode", "force_custom_plan".to_owned()),
+            (
+                "statement_timeout",
+                statement_timeout.as_millis().max(1).to_string(),
+            ),
+        ]);
+        Self {
+            options,
+            idle: Mutex::new(Vec::new()),
+            permits: Semaphore::new(max.max(1)),
+        }
+    }
+
+    /// A connection for one statement (or one short transaction): an idle one, or a new one.
+    pub(super) async fn lend(&self) -> Result<Lent<'_>, sqlx::Error> {
+        let permit = self
+            .permits
+            .acquire()
+            .await
+            .expect("the semaphore is never closed");
+        let connection = match self.take_idle().await {
+            Some(connection) => connection,
+            None => PgConnection::connect_with(&self.options).await?,
+        };
+        Ok(Lent {
+            connections: self,
+            connection: Some(connection),
+            _permit: permit,
+        })
+    }
+
+    /// The most recently used idle connection, checked first if it idled for long.
+    async fn take_idle(&self) -> Option<PgConnection> {
+        let (mut connection, since) = self.lock().pop()?;
+        if since.elapsed() > STALE_AFTER && connection.ping().await.is_err() {
+            return None;
+        }
+        Some(connection)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(PgConnection, Instant)>> {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A connection lent for a statement. [`give_back`](Self::give_back) returns it for reuse once
+/// it answered; dropped otherwise (its statement abandoned or failed), it is closed.
+pub(super) struct Lent<'a> {
+    connections: &'a Connections,
+    connection: Option<PgConnection>,
+    _permit: SemaphorePermit<'a>,
+}
+
+impl Lent<'_> {
+    /// Returns the connection for reuse, if it is still in step after `result`.
+    pub(super) fn give_back<T>(mut self, result: &Result<T, sqlx::Error>) {
+        let in_step = match result {
+            Ok(_) => true,
+            Err(error) => in_step(error),
+        };
+        if let (true, Some(connection)) = (in_step, self.connection.take()) {
+            self.connections.lock().push((connection, Instant::now()));
+        }
+    }
+}
+
+impl std::ops::Deref for Lent<'_> {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        self.connection.as_ref().expect("lent until given back")
+    }
+}
+
+impl std::ops::DerefMut for Lent<'_> {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.connection.as_mut().expect("lent until given back")
+    }
+}
+
+/// Whether a connection is still in step with the server after this error: a database error
+/// (the statement failed; the session goes on) leaves it so, anything else may not.
+fn in_step(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(_) | sqlx::Error::RowNotFound)
+}

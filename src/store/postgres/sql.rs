@@ -1,0 +1,145 @@
+//! The statements of the Postgres store.
+
+/// The claim's common path, one round trip: insert the key if there is no row, or say what the
+/// row there is. Rows that need more (an expired row to take over, a committed key whose lease
+/// lapsed) are settled by [`PostgresStore::settle`] under a row lock.
+///
+/// $1 scope, $2 key, $3 fingerprint, $4 owner, $5 lease (ms), $6 what is left of the caller's
+/// time (ms): the insert happens only within it, measured on the server's clock from the start
+/// of the statement's transaction (`now()`, taken before any lock wait; `statement_timestamp()`
+/// would be the time the server got round to reading the message), so a claim the caller gave
+/// up on (say it waited on a lock) never acquires later.
+pub(super) const CLAIM: &str = r"
+WITH cur AS (
+    SELECT state, fingerprint = $3 AS same, response, suspect, owner = $4 AS mine, fence,
+           lease_until > now() AS leased, expires_at > now() AS live,
+           ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
+           ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms
+    FROM idempotency_keys
+    WHERE scope = $1 AND key = $2
+),
+claimed AS (
+    INSERT INTO idempotency_keys
+        (scope, key, fingerprint, state, owner, fence, lease_until, expires_at)
+    SELECT $1, $2, $3, 'in_flight', $4, nextval('idempotency_fence'),
+           now() + $5::float8 * interval '1 millisecond',
+           now() + $5::float8 * interval '1 millisecond'
+    WHERE NOT EXISTS (SELECT 1 FROM cur)
+      AND clock_timestamp() < now() + $6::float8 * interval '1 millisecond'
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING fence
+)
+SELECT 'acquired' AS verdict, fence, NULL::bytea AS response,
+       NULL::int8 AS lease_ms, NULL::int8 AS expires_ms
+FROM claimed
+UNION ALL
+SELECT CASE
+           -- This very claim, run again (its connection failed before it answered).
+           WHEN mine AND state = 'in_flight' AND live THEN 'acquired'
+           WHEN NOT live THEN 'expired'
+           WHEN NOT same THEN 'mismatch'
+           WHEN state = 'completed' OR response IS NOT NULL THEN 'completed'
+           WHEN leased THEN 'in_flight'
+           WHEN suspect THEN 'orphaned'
+           ELSE 'lapsed'
+       END,
+       fence, CASE WHEN same THEN response END, lease_ms, expires_ms
+FROM cur
+";
+
+/// Locks a row that needs settling, unless another transaction holds it.
+pub(super) const LOCK: &str = r"
+SELECT fingerprint = $3 AS same, state, response IS NOT NULL AS answered, suspect,
+       lease_until > now() AS leased, expires_at > now() AS live
+FROM idempotency_keys
+WHERE scope = $1 AND key = $2
+FOR UPDATE SKIP LOCKED
+";
+
+/// Whether the row still needs settling, seen without a lock: then a transaction holds it.
+pub(super) const UNSETTLED: &str = r"
+SELECT EXISTS (
+    SELECT 1 FROM idempotency_keys
+    WHERE scope = $1 AND key = $2
+      AND (expires_at <= now()
+           OR (state = 'committed' AND response IS NULL AND lease_until <= now()))
+)
+";
+
+/// Takes over an expired row, as a fresh claim would have created it.
+pub(super) const TAKE_OVER: &str = r"
+UPDATE idempotency_keys
+SET fingerprint = $3, state = 'in_flight', owner = $4, fence = nextval('idempotency_fence'),
+    lease_until = now() + $5::float8 * interval '1 millisecond',
+    expires_at = now() + $5::float8 * interval '1 millisecond',
+    status = NULL, response = NULL, suspect = false, created_at = now(), updated_at = now()
+WHERE scope = $1 AND key = $2
+RETURNING fence
+";
+
+/// Gives the owner of a committed key whose lease lapsed a grace to show it is alive.
+pub(super) const SUSPECT: &str = r"
+UPDATE idempotency_keys
+SET suspect = true, lease_until = now() + $3::float8 * interval '1 millisecond'
+WHERE scope = $1 AND key = $2
+";
+
+/// Renews without waiting on a row lock: a locked row answers `renewed = false, owned = true`.
+pub(super) const RENEW: &str = r"
+WITH target AS (
+    SELECT scope, key FROM idempotency_keys
+    WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
+    FOR NO KEY UPDATE SKIP LOCKED
+),
+renewed AS (
+    UPDATE idempotency_keys k
+    SET lease_until = now() + $4::float8 * interval '1 millisecond',
+        expires_at = CASE WHEN k.state = 'in_flight'
+                          THEN now() + $4::float8 * interval '1 millisecond'
+                          ELSE greatest(k.expires_at, now() + $4::float8 * interval '1 millisecond')
+                     END,
+        suspect = false, updated_at = now()
+    FROM target
+    WHERE k.scope = target.scope AND k.key = target.key
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM renewed) AS renewed,
+       EXISTS (SELECT 1 FROM idempotency_keys
+               WHERE scope = $1 AND key = $2 AND owner = $3
+                 AND state IN ('in_flight', 'committed')) AS owned
+";
+
+pub(super) const COMPLETE: &str = r"
+UPDATE idempotency_keys
+SET state = 'completed', status = $4, response = $5, lease_until = now(),
+    expires_at = now() + $6::float8 * interval '1 millisecond', updated_at = now()
+WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
+";
+
+pub(super) const RELEASE: &str = r"
+WITH released AS (
+    DELETE FROM idempotency_keys
+    WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'in_flight'
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM released) AS released,
+       EXISTS (SELECT 1 FROM idempotency_keys
+               WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'committed') AS committed
+";
+
+/// The fence: run by the handler inside its own transaction, through a function that plans
+/// its statement on every call (see `migrations/20261129000002_fence_function.sql`).
+pub(super) const COMMIT: &str = "SELECT idempotency_commit($1, $2, $3, $4, $5, $6, $7)";
+
+pub(super) const SWEEP: &str = r"
+WITH doomed AS (
+    SELECT scope, key FROM idempotency_keys
+    WHERE expires_at <= now()
+    ORDER BY expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM idempotency_keys k
+USING doomed
+WHERE k.scope = doomed.scope AND k.key = doomed.key
+";
