@@ -153,43 +153,28 @@ async fn unreadable_records_are_errors_that_name_the_record() {
     let key = store.record_key(request.record());
     let fingerprint = &request.fingerprint().as_bytes()[..];
 
-    type Fields<'a> = Vec<(&'a str, &'a [u8])>;
-    let cases: [(&str, Fields<'_>); 3] = [
-        (
-            "response",
-            vec![
-                ("st", b"c"),
-                ("fp", fingerprint),
-                ("rs", b"not a record"),
-                ("v", b"1"),
-            ],
-        ),
-        (
-            "state",
-            vec![("st", b"x"), ("fp", fingerprint), ("v", b"1")],
-        ),
-        (
-            "version",
-            vec![
-                ("st", b"i"),
-                ("fp", fingerprint),
-                ("ow", b"someone"),
-                ("v", b"2"),
-            ],
-        ),
+    // Records as the scripts write them: layout, state, fingerprint, owner, fence, response.
+    let record = |layout: u8, state: u8, response: &[u8]| {
+        let mut record = vec![layout, state];
+        record.extend_from_slice(fingerprint);
+        record.extend_from_slice(&[7; 16]);
+        record.extend_from_slice(b"1795968561227110");
+        record.extend_from_slice(response);
+        record
+    };
+    let cases = [
+        ("response", record(2, b'c', b"not a record")),
+        ("state", record(2, b'x', b"")),
+        ("version", record(1, b'i', b"")),
+        ("length", b"short".to_vec()),
     ];
-    for (what, fields) in cases {
-        let _: () = redis::cmd("DEL")
+    for (what, value) in cases {
+        let () = redis::cmd("SET")
             .arg(&key)
+            .arg(value)
             .query_async(&mut admin)
             .await
             .unwrap();
-        let mut hset = redis::cmd("HSET");
-        hset.arg(&key);
-        for (field, value) in fields {
-            hset.arg(field).arg(value);
-        }
-        let _: i64 = hset.query_async(&mut admin).await.unwrap();
 
         match store.claim(&request).await {
             Err(error @ StoreError::Corrupt { .. }) => {

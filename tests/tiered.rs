@@ -199,13 +199,15 @@ async fn a_claim_that_reaches_a_frozen_redis_late_never_hides_a_completed_key() 
         let mut admin = admin.clone();
         let key = key.clone();
         async move {
-            let state: Option<String> = redis::cmd("HGET")
+            // The record's second byte is its state.
+            let record: Option<Vec<u8>> = redis::cmd("GET")
                 .arg(&key)
-                .arg("st")
                 .query_async(&mut admin)
                 .await
                 .map_err(|e| e.to_string())?;
-            state.ok_or_else(|| "no record yet".to_owned())
+            record
+                .and_then(|r| r.get(1).map(|&state| char::from(state).to_string()))
+                .ok_or_else(|| "no record yet".to_owned())
         }
     })
     .await;

@@ -19,10 +19,12 @@ use crate::StoredResponse;
 
 /// A store on Redis: fast, and the first line in front of Postgres.
 ///
-/// Each idempotency key is one Redis hash, `{prefix}{scope length}:{scope}:{key}`, and each
-/// operation is one Lua script that touches only that key, so it works on Redis Cluster too. The
-/// scripts (shipped in `lua/`) check the owner token before any write; leases and retention are
-/// Redis expiries (`PEXPIRE`, `PTTL`), measured on the server's clock.
+/// Each idempotency key is one Redis string, `{prefix}{scope length}:{scope}:{key}`: a layout
+/// byte, the state, the fingerprint, the owner token, the fence and, once completed, the
+/// encoded response; about 70 bytes in flight. Each operation is one Lua script that touches
+/// only that key, so it works on Redis Cluster too: a claim returns the record there, or creates
+/// one, and the other scripts (shipped in `lua/`) check the owner token before any write. Leases and retention are Redis expiries (`PX`, `PEXPIRE`,
+/// `PTTL`), measured on the server's clock.
 ///
 /// The connection reconnects by itself after a Redis restart, and every call is bounded by a
 /// timeout (250 ms by default), so a slow or stalled Redis surfaces as a [`StoreError::Timeout`]
@@ -51,9 +53,17 @@ pub struct RedisStore {
 /// The default bound on one Redis call.
 pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_millis(250);
 
-/// The layout of the record hash the scripts read and write (not the response encoding, which
-/// carries its own version).
-const LAYOUT_VERSION: &str = "1";
+/// The layout of the record the scripts read and write (its first byte; the response encoding
+/// after it carries its own version).
+const LAYOUT: u8 = 2;
+
+/// Where the parts of a record start: layout, state, fingerprint, owner, fence (16 digits), then
+/// the response of a completed key.
+const STATE: usize = 1;
+const FINGERPRINT: usize = 2;
+const OWNER: usize = 34;
+const FENCE: usize = 50;
+const RESPONSE: usize = 66;
 
 static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../../lua/claim.lua")));
 static COMPLETE: LazyLock<Script> =
@@ -149,7 +159,7 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<Ownership, StoreError> {
         let mut invocation = script.key(self.record_key(lease.record()));
-        invocation.arg(lease.owner().to_string());
+        invocation.arg(&lease.owner().as_bytes()[..]);
         for arg in args {
             invocation.arg(*arg);
         }
@@ -169,15 +179,16 @@ impl Store for RedisStore {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         Box::pin(async move {
+            let mut head = Vec::with_capacity(FENCE);
+            head.push(LAYOUT);
+            head.push(b'i');
+            head.extend_from_slice(request.fingerprint().as_bytes());
+            head.extend_from_slice(request.owner().as_bytes());
             let mut invocation = CLAIM.key(self.record_key(request.record()));
-            invocation
-                .arg(request.owner().to_string())
-                .arg(&request.fingerprint().as_bytes()[..])
-                .arg(millis(request.lease()))
-                .arg(LAYOUT_VERSION);
+            invocation.arg(head).arg(millis(request.lease()));
             let mut connection = self.connection.clone();
             let reply: Value = self.call(invocation.invoke_async(&mut connection)).await?;
-            parse_claim(reply).map_err(|reason| StoreError::Corrupt {
+            parse_claim(reply, request).map_err(|reason| StoreError::Corrupt {
                 store: STORE,
                 record: request.record().clone(),
                 source: reason.into(),
@@ -234,7 +245,7 @@ fn millis(duration: Duration) -> u64 {
 }
 
 /// Reads claim.lua's reply; `Err` describes what is wrong with the record.
-fn parse_claim(reply: Value) -> Result<ClaimOutcome, String> {
+fn parse_claim(reply: Value, request: &ClaimRequest) -> Result<ClaimOutcome, String> {
     let Value::Array(items) = reply else {
         return Err(format!("unexpected claim reply {reply:?}"));
     };
@@ -244,20 +255,34 @@ fn parse_claim(reply: Value) -> Result<ClaimOutcome, String> {
             .and_then(|f| f.parse().ok())
             .map(|fence| ClaimOutcome::Acquired { fence })
             .ok_or_else(|| format!("unreadable fence {fence:?}")),
-        [Value::Int(1), Value::Int(pttl)] => Ok(ClaimOutcome::InFlight {
-            retry_after: Duration::from_millis(u64::try_from(*pttl).unwrap_or(0)),
-        }),
-        [Value::Int(2)] => Ok(ClaimOutcome::Mismatch),
-        [Value::Int(3), Value::BulkString(response), Value::Int(pttl)] => {
-            StoredResponse::decode(Bytes::copy_from_slice(response))
-                .map(|response| ClaimOutcome::Completed {
-                    response: Box::new(response),
-                    expires_in: Duration::from_millis(u64::try_from(*pttl).unwrap_or(0)),
-                })
-                .map_err(|error| error.to_string())
+        [Value::Int(1), Value::BulkString(record), Value::Int(pttl)] => {
+            let left = Duration::from_millis(u64::try_from(*pttl).unwrap_or(0));
+            read_record(record, request, left)
         }
-        [Value::Int(4), Value::BulkString(reason)] => Err(String::from_utf8_lossy(reason).into()),
         _ => Err(format!("unexpected claim reply {items:?}")),
+    }
+}
+
+/// What a record someone holds says to a claim of the same key.
+fn read_record(record: &[u8], request: &ClaimRequest, left: Duration) -> Result<ClaimOutcome, String> {
+    if record.len() < RESPONSE {
+        return Err(format!("record of {} bytes is too short", record.len()));
+    }
+    if record[0] != LAYOUT {
+        return Err(format!("record layout version {}, expected {LAYOUT}", record[0]));
+    }
+    if &record[FINGERPRINT..OWNER] != request.fingerprint().as_bytes() {
+        return Ok(ClaimOutcome::Mismatch);
+    }
+    match record[STATE] {
+        b'i' => Ok(ClaimOutcome::InFlight { retry_after: left }),
+        b'c' => StoredResponse::decode(Bytes::copy_from_slice(&record[RESPONSE..]))
+            .map(|response| ClaimOutcome::Completed {
+                response: Box::new(response),
+                expires_in: left,
+            })
+            .map_err(|error| error.to_string()),
+        other => Err(format!("unknown state {:?}", char::from(other))),
     }
 }
 
@@ -282,27 +307,90 @@ mod tests {
         assert_ne!(key("a:1", "x"), key("a", "1:x"));
     }
 
+    fn request() -> ClaimRequest {
+        let parts = http::Request::post("/").body(()).unwrap().into_parts().0;
+        ClaimRequest::new(
+            RecordKey::new("s", IdempotencyKey::try_from("k").unwrap()),
+            crate::Fingerprint::of_request(&parts, &[], b""),
+            uuid::Uuid::new_v4(),
+            Duration::from_secs(30),
+        )
+    }
+
+    /// A record as the scripts write it.
+    fn record(layout: u8, state: u8, fingerprint: &[u8; 32], response: &[u8]) -> Vec<u8> {
+        let mut record = vec![layout, state];
+        record.extend_from_slice(fingerprint);
+        record.extend_from_slice(&[7; 16]);
+        record.extend_from_slice(b"1795968561227110");
+        record.extend_from_slice(response);
+        record
+    }
+
+    #[test]
+    fn records_are_read_by_state_and_fingerprint() {
+        let request = request();
+        let fp = request.fingerprint().as_bytes();
+        let held = |record: Vec<u8>| {
+            Value::Array(vec![Value::Int(1), Value::BulkString(record), Value::Int(1500)])
+        };
+        assert_eq!(
+            parse_claim(held(record(LAYOUT, b'i', fp, b"")), &request),
+            Ok(ClaimOutcome::InFlight {
+                retry_after: Duration::from_millis(1500)
+            })
+        );
+        assert_eq!(
+            parse_claim(held(record(LAYOUT, b'i', &[0; 32], b"")), &request),
+            Ok(ClaimOutcome::Mismatch)
+        );
+        let response = StoredResponse::new(
+            http::StatusCode::OK,
+            http::HeaderMap::new(),
+            Some("done".into()),
+            None,
+        );
+        let completed = parse_claim(held(record(LAYOUT, b'c', fp, &response.encode())), &request);
+        assert_eq!(
+            completed,
+            Ok(ClaimOutcome::Completed {
+                response: Box::new(response),
+                expires_in: Duration::from_millis(1500)
+            })
+        );
+        let acquired = Value::Array(vec![
+            Value::Int(0),
+            Value::BulkString(b"1795968561227110".to_vec()),
+        ]);
+        assert_eq!(
+            parse_claim(acquired, &request),
+            Ok(ClaimOutcome::Acquired {
+                fence: 1_795_968_561_227_110
+            })
+        );
+    }
+
     #[test]
     fn unreadable_replies_are_errors() {
+        let request = request();
+        let fp = request.fingerprint().as_bytes();
+        let held = |record: Vec<u8>| {
+            Value::Array(vec![Value::Int(1), Value::BulkString(record), Value::Int(1000)])
+        };
         let bad = [
             Value::Nil,
             Value::Array(vec![]),
             Value::Array(vec![Value::Int(0), Value::BulkString(b"x".to_vec())]),
-            Value::Array(vec![
-                Value::Int(3),
-                Value::BulkString(b"garbage".to_vec()),
-                Value::Int(1000),
-            ]),
-            Value::Array(vec![Value::Int(3), Value::Nil, Value::Int(1000)]),
-            Value::Array(vec![
-                Value::Int(4),
-                Value::BulkString(b"unknown state x".to_vec()),
-            ]),
+            held(b"short".to_vec()),
+            held(record(1, b'i', fp, b"")),
+            held(record(LAYOUT, b'x', fp, b"")),
+            held(record(LAYOUT, b'c', fp, b"garbage")),
+            Value::Array(vec![Value::Int(1), Value::Nil, Value::Int(1000)]),
             Value::Array(vec![Value::Int(9)]),
         ];
         for reply in bad {
             assert!(
-                parse_claim(reply.clone()).is_err(),
+                parse_claim(reply.clone(), &request).is_err(),
                 "{reply:?} was accepted"
             );
         }
