@@ -1,0 +1,810 @@
+//! The load benchmark: what a guarded request costs on each store, against a bare handler and
+//! against a naive `SET NX EX` guard, over real HTTP on loopback, with each store's floor
+//! measured by the same program.
+//!
+//! ```sh
+//! cargo bench --bench load                      # about four minutes
+//! cargo bench --bench load -- --seconds 3 --rounds 1 --only bare,memory
+//! ```
+//!
+//! Each setup runs as a server process of its own (this binary, re-run with `--serve`), so its
+//! CPU time (`/proc/<pid>/stat`) is the server's alone; 64 connections (`--connections`) send
+//! `POST /payments` with a 1 KiB JSON body for `--seconds` (5) after a one-second warm-up; the
+//! handler answers 201 with about 200 bytes. "fresh" requests carry a new key each; "replay"
+//! requests repeat keys completed during the warm-up. Rounds (`--rounds`, 3) interleave the
+//! setups, and ratios are medians of per-round ratios.
+//!
+//! Redis runs as a `redis-server` this program starts on a free port, emptied before each run,
+//! so that its CPU time (`/proc`, per request) and `MEMORY USAGE` (per completed key) count only
+//! that run; Postgres is `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), in a
+//! schema of the run's own, dropped at the end.
+
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, SocketAddr, TcpListener},
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Router,
+    body::{Body, Bytes},
+    extract::{Request, State},
+    http::{HeaderValue, StatusCode, header},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::post,
+};
+use http_body_util::{BodyExt, Full};
+use redis::{AsyncCommands, aio::ConnectionManager};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tower_idempotency::{
+    Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse,
+    store::{ClaimOutcome, ClaimRequest, PostgresStore, RecordKey, RedisStore, Store, TieredStore},
+};
+use uuid::Uuid;
+
+const SETUPS: [&str; 6] = ["bare", "memory", "naive", "redis", "postgres", "tiered"];
+
+/// About 200 bytes, as a payment API answers.
+const ANSWER: &str = r#"{"id":"pay_8f14e45fceea167a5a36dedd4bea2543","object":"payment","amount_cents":4900,"currency":"usd","customer":"cus_1","status":"succeeded","charge_id":"ch_c9f0f895fb98ab9159f51fd0297e236d"}"#;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(at) = args.iter().position(|a| a == "--serve") {
+        return serve(&args[at + 1], args[at + 2].parse().unwrap(), &args[at + 3]);
+    }
+    let options = Options::parse(&args);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(drive(options));
+}
+
+struct Options {
+    seconds: u64,
+    rounds: usize,
+    connections: usize,
+    only: Vec<String>,
+}
+
+impl Options {
+    fn parse(args: &[String]) -> Self {
+        let value = |name: &str| {
+            args.iter()
+                .position(|a| a == name)
+                .and_then(|at| args.get(at + 1).cloned())
+        };
+        Self {
+            seconds: value("--seconds").map_or(5, |v| v.parse().unwrap()),
+            rounds: value("--rounds").map_or(3, |v| v.parse().unwrap()),
+            connections: value("--connections").map_or(64, |v| v.parse().unwrap()),
+            only: value("--only").map_or_else(
+                || SETUPS.iter().map(|s| s.to_string()).collect(),
+                |v| v.split(',').map(str::to_owned).collect(),
+            ),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The server side.
+
+/// Serves one setup on `port` until killed. `env` is "redis_url|database_url|schema".
+fn serve(setup: &str, port: u16, env: &str) {
+    let mut parts = env.split('|');
+    let (redis_url, database_url, schema) = (
+        parts.next().unwrap().to_owned(),
+        parts.next().unwrap().to_owned(),
+        parts.next().unwrap().to_owned(),
+    );
+    let setup = setup.to_owned();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async move {
+            let handler = post(|_body: Bytes| async {
+                (
+                    StatusCode::CREATED,
+                    [(header::CONTENT_TYPE, "application/json")],
+                    ANSWER,
+                )
+            });
+            let prefix = format!("bench:{}:", Uuid::new_v4().simple());
+            let layered = |store: Arc<dyn Store>| {
+                Router::new().route(
+                    "/payments",
+                    handler
+                        .clone()
+                        .route_layer(IdempotencyLayer::from_shared_store(store)),
+                )
+            };
+            let app = match setup.as_str() {
+                "bare" => Router::new().route("/payments", handler),
+                "memory" => layered(Arc::new(MemoryStore::new())),
+                "redis" => layered(Arc::new(redis_store(&redis_url, &prefix))),
+                "postgres" => layered(Arc::new(postgres_store(&database_url, &schema).await)),
+                "tiered" => layered(Arc::new(TieredStore::new(
+                    redis_store(&redis_url, &prefix),
+                    postgres_store(&database_url, &schema).await,
+                ))),
+                "naive" => {
+                    let redis = ConnectionManager::new(redis::Client::open(redis_url).unwrap())
+                        .await
+                        .unwrap();
+                    let prefix = format!("naive:{}:", Uuid::new_v4().simple());
+                    Router::new().route(
+                        "/payments",
+                        handler.route_layer(middleware::from_fn_with_state(
+                            (redis, Arc::<str>::from(prefix)),
+                            naive_guard,
+                        )),
+                    )
+                }
+                other => panic!("unknown setup {other}"),
+            };
+            let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port))
+                .await
+                .unwrap();
+            axum::serve(listener, app).await.unwrap();
+        });
+}
+
+fn redis_store(url: &str, prefix: &str) -> RedisStore {
+    RedisStore::open(url).unwrap().with_prefix(prefix)
+}
+
+async fn postgres_store(url: &str, schema: &str) -> PostgresStore {
+    let options: PgConnectOptions = url.parse().unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .connect_with(options.options([("search_path", schema)]))
+        .await
+        .unwrap();
+    PostgresStore::new(pool)
+}
+
+/// What a team writes before it finds this crate: `SET key "" NX EX`, run, `SET key body EX`;
+/// a retry `GET`s the body. No owner, no fingerprint, no lease renewal, no fence.
+async fn naive_guard(
+    State((mut redis, prefix)): State<(ConnectionManager, Arc<str>)>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(key) = request.headers().get("idempotency-key").cloned() else {
+        return next.run(request).await;
+    };
+    let key = format!("{prefix}{}", key.to_str().unwrap_or_default());
+    let claimed: Option<String> = redis::cmd("SET")
+        .arg(&key)
+        .arg("")
+        .arg("NX")
+        .arg("EX")
+        .arg(86_400)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    if claimed.is_none() {
+        let stored: Vec<u8> = redis.get(&key).await.unwrap();
+        if stored.is_empty() {
+            return StatusCode::CONFLICT.into_response();
+        }
+        let mut response = (StatusCode::CREATED, stored).into_response();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        return response;
+    }
+    let (parts, body) = next.run(request).await.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    let () = redis.set_ex(&key, body.as_ref(), 86_400).await.unwrap();
+    Response::from_parts(parts, Body::from(body))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The driver.
+
+/// Every run, by setup and workload.
+type Runs = BTreeMap<(String, String), Vec<Run>>;
+
+/// One measured run of one setup and workload.
+#[derive(Debug, Clone, Default)]
+struct Run {
+    rps: f64,
+    /// Mean `MEMORY USAGE` of the keys a Redis setup completed.
+    redis_bytes_per_key: Option<f64>,
+    p50_us: u64,
+    p99_us: u64,
+    cpu_us_per_req: f64,
+    redis_us_per_req: Option<f64>,
+}
+
+async fn drive(options: Options) {
+    let redis = RedisServer::start();
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let schema = format!("bench_{}", Uuid::new_v4().simple());
+    let admin = sqlx::PgPool::connect(&database_url).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(r#"CREATE SCHEMA "{schema}""#)))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let store = postgres_store(&database_url, &schema).await;
+    store.migrate().await.unwrap();
+    let env = format!("{}|{database_url}|{schema}", redis.url());
+    let seconds = Duration::from_secs(options.seconds);
+
+    eprintln!(
+        "load: {} connections, {} s per run, {} rounds, setups {:?}",
+        options.connections, options.seconds, options.rounds, options.only
+    );
+    let mut runs: Runs = BTreeMap::new();
+    let mut floors: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for round in 0..options.rounds {
+        for setup in SETUPS
+            .iter()
+            .filter(|s| options.only.iter().any(|o| o == *s))
+        {
+            for workload in ["fresh", "replay"] {
+                let run =
+                    measure(setup, workload, &env, &redis, options.connections, seconds).await;
+                eprintln!("round {round} {setup:>8} {workload:>6}: {run:?}");
+                runs.entry((setup.to_string(), workload.to_string()))
+                    .or_default()
+                    .push(run);
+            }
+        }
+        for (name, floor) in measure_floors(&options, &redis, &database_url, &schema, seconds).await
+        {
+            eprintln!("round {round} floor {name}: {floor:.0}/s");
+            floors.entry(name).or_default().push(floor);
+        }
+    }
+    print_report(&options, &runs, &floors);
+
+    drop(redis);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        r#"DROP SCHEMA "{schema}" CASCADE"#
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+}
+
+async fn measure(
+    setup: &str,
+    workload: &'static str,
+    env: &str,
+    redis: &RedisServer,
+    connections: usize,
+    seconds: Duration,
+) -> Run {
+    let port = free_port();
+    let mut server = Command::new(std::env::current_exe().unwrap())
+        .args(["--serve", setup, &port.to_string(), env])
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let address = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let started = Instant::now();
+    while tokio::net::TcpStream::connect(address).await.is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{setup} did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let run_id = Uuid::new_v4().simple().to_string();
+    // Each run on an empty Redis: a server holding earlier runs' keys answers more slowly.
+    redis.flush().await;
+    // Warm-up: connections, prepared statements, and the keys replays repeat.
+    let warm_up = format!("{run_id}-warm-up");
+    load(
+        address,
+        connections,
+        Duration::from_secs(1),
+        &warm_up,
+        "warm-up",
+    )
+    .await;
+    let replay_keys = format!("{run_id}-replay");
+    load(
+        address,
+        connections,
+        Duration::from_millis(300),
+        &replay_keys,
+        "prime",
+    )
+    .await;
+
+    let cpu_before = process_cpu(server.id());
+    let redis_before = process_cpu(redis.child.id());
+    let started = Instant::now();
+    let mut latencies = match workload {
+        "fresh" => load(address, connections, seconds, &run_id, "fresh").await,
+        _ => load(address, connections, seconds, &replay_keys, "replay").await,
+    };
+    let elapsed = started.elapsed();
+    let cpu = process_cpu(server.id()) - cpu_before;
+    let redis_cpu = process_cpu(redis.child.id()) - redis_before;
+    let _ = server.kill();
+    let _ = server.wait();
+    let redis_bytes_per_key = match (setup, workload) {
+        ("redis", "fresh") => redis.bytes_per_key("bench:*").await,
+        ("naive", "fresh") => redis.bytes_per_key("naive:*").await,
+        _ => None,
+    };
+
+    latencies.sort_unstable();
+    let requests = latencies.len() as u64;
+    let at = |q: f64| latencies[((requests as f64 - 1.0) * q) as usize];
+    Run {
+        redis_bytes_per_key,
+        rps: requests as f64 / elapsed.as_secs_f64(),
+        p50_us: at(0.5),
+        p99_us: at(0.99),
+        cpu_us_per_req: cpu.as_secs_f64() * 1e6 / requests as f64,
+        redis_us_per_req: matches!(setup, "redis" | "naive" | "tiered")
+            .then(|| redis_cpu.as_secs_f64() * 1e6 / requests as f64),
+    }
+}
+
+/// Sends requests on `connections` keep-alive connections for `duration`; returns each one's
+/// latency in µs. Keys are `{prefix}-{connection}-{n}`, except for "replay" and "prime", which
+/// use one key per connection.
+async fn load(
+    address: SocketAddr,
+    connections: usize,
+    duration: Duration,
+    prefix: &str,
+    workload: &'static str,
+) -> Vec<u64> {
+    let body = Bytes::from(payment_body());
+    let stop = Arc::new(AtomicBool::new(false));
+    let errors = Arc::new(AtomicU64::new(0));
+    let tasks: Vec<_> = (0..connections)
+        .map(|c| {
+            let (body, stop, errors) = (body.clone(), Arc::clone(&stop), Arc::clone(&errors));
+            let prefix = prefix.to_owned();
+            tokio::spawn(async move {
+                let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+                stream.set_nodelay(true).unwrap();
+                let (mut sender, connection) =
+                    hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                        .await
+                        .unwrap();
+                tokio::spawn(connection);
+                let mut latencies = Vec::with_capacity(8192);
+                let mut n = 0u64;
+                while !stop.load(Relaxed) {
+                    let key = match workload {
+                        "replay" | "prime" => format!("{prefix}-{c}"),
+                        _ => format!("{prefix}-{c}-{n}"),
+                    };
+                    n += 1;
+                    let request = http::Request::post("/payments")
+                        .header(header::HOST, "localhost")
+                        .header("idempotency-key", key)
+                        .header(header::CONTENT_TYPE, "application/json")
+                        .body(Full::new(body.clone()))
+                        .unwrap();
+                    let started = Instant::now();
+                    let ok = match sender.send_request(request).await {
+                        Ok(response) => {
+                            let status = response.status();
+                            response.into_body().collect().await.is_ok()
+                                && status == StatusCode::CREATED
+                        }
+                        Err(_) => false,
+                    };
+                    if ok {
+                        latencies.push(started.elapsed().as_micros() as u64);
+                    } else {
+                        errors.fetch_add(1, Relaxed);
+                    }
+                    if workload == "prime" {
+                        break;
+                    }
+                }
+                latencies
+            })
+        })
+        .collect();
+    if workload != "prime" {
+        tokio::time::sleep(duration).await;
+    }
+    stop.store(true, Relaxed);
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await.unwrap());
+    }
+    let errors = errors.load(Relaxed);
+    assert!(
+        errors * 1000 <= all.len() as u64 + 1000,
+        "{workload}: {errors} failed requests against {} answered",
+        all.len()
+    );
+    all
+}
+
+/// A 1 KiB JSON body.
+fn payment_body() -> Vec<u8> {
+    let mut body =
+        br#"{"amount_cents":4900,"currency":"usd","customer":"cus_1","metadata":""#.to_vec();
+    while body.len() < 1024 - 2 {
+        body.push(b'x');
+    }
+    body.extend_from_slice(br#""}"#);
+    body
+}
+
+/// The CPU time a process has used so far (all its threads).
+fn process_cpu(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    Duration::from_secs_f64(ticks as f64 / clock_ticks() as f64)
+}
+
+fn clock_ticks() -> u64 {
+    let out = Command::new("getconf").arg("CLK_TCK").output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(100)
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Floors: the stores' own operations, from this process, with the same concurrency.
+
+async fn measure_floors(
+    options: &Options,
+    redis: &RedisServer,
+    database_url: &str,
+    schema: &str,
+    seconds: Duration,
+) -> Vec<(&'static str, f64)> {
+    let mut floors = Vec::new();
+    let tasks = options.connections;
+    redis.flush().await;
+    if options.only.iter().any(|s| s == "redis") {
+        let store = redis_store(&redis.url(), &format!("floor:{}:", Uuid::new_v4().simple()));
+        floors.push(("redis", store_floor(Arc::new(store), tasks, seconds).await));
+    }
+    if options.only.iter().any(|s| s == "postgres") {
+        let store = postgres_store(database_url, schema).await;
+        floors.push((
+            "postgres",
+            store_floor(Arc::new(store), tasks, seconds).await,
+        ));
+    }
+    if options.only.iter().any(|s| s == "tiered") {
+        let store = TieredStore::new(
+            redis_store(&redis.url(), &format!("floor:{}:", Uuid::new_v4().simple())),
+            postgres_store(database_url, schema).await,
+        );
+        floors.push(("tiered", store_floor(Arc::new(store), tasks, seconds).await));
+    }
+    if options.only.iter().any(|s| s == "naive") {
+        floors.push(("naive", naive_floor(&redis.url(), tasks, seconds).await));
+    }
+    floors
+}
+
+/// Claims and completes fresh keys from `tasks` tasks: what the store does per first request.
+async fn store_floor(store: Arc<dyn Store>, tasks: usize, seconds: Duration) -> f64 {
+    let parts = http::Request::post("/payments")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(())
+        .unwrap()
+        .into_parts()
+        .0;
+    let fingerprint = Fingerprint::of_request(&parts, &[], &payment_body());
+    let response = StoredResponse::new(
+        StatusCode::CREATED,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )]
+        .into_iter()
+        .collect(),
+        Some(Bytes::from_static(ANSWER.as_bytes())),
+        None,
+    );
+    let run = Uuid::new_v4().simple().to_string();
+    counted(tasks, seconds, move |task, n| {
+        let (store, response) = (Arc::clone(&store), response.clone());
+        let key = IdempotencyKey::try_from(format!("{run}-{task}-{n}").as_str()).unwrap();
+        async move {
+            let claim = ClaimRequest::new(
+                RecordKey::new("anonymous", key),
+                fingerprint,
+                Uuid::new_v4(),
+                Duration::from_secs(30),
+            );
+            match store.claim(&claim).await.unwrap() {
+                ClaimOutcome::Acquired { fence } => {
+                    let lease = claim.lease_with_fence(fence);
+                    store
+                        .complete(&lease, &response, Duration::from_secs(86_400))
+                        .await
+                        .unwrap();
+                }
+                other => panic!("floor: {other:?}"),
+            }
+        }
+    })
+    .await
+}
+
+async fn naive_floor(url: &str, tasks: usize, seconds: Duration) -> f64 {
+    let redis = ConnectionManager::new(redis::Client::open(url).unwrap())
+        .await
+        .unwrap();
+    let run = Uuid::new_v4().simple().to_string();
+    counted(tasks, seconds, move |task, n| {
+        let mut redis = redis.clone();
+        let key = format!("naive-floor:{run}-{task}-{n}");
+        async move {
+            let _: Option<String> = redis::cmd("SET")
+                .arg(&key)
+                .arg("")
+                .arg("NX")
+                .arg("EX")
+                .arg(86_400)
+                .query_async(&mut redis)
+                .await
+                .unwrap();
+            let () = redis.set_ex(&key, ANSWER, 86_400).await.unwrap();
+        }
+    })
+    .await
+}
+
+/// Runs `operation(task, n)` in a loop on `tasks` tasks for `seconds`; operations per second.
+async fn counted<F, Fut>(tasks: usize, seconds: Duration, operation: F) -> f64
+where
+    F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let operation = Arc::new(operation);
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let handles: Vec<_> = (0..tasks)
+        .map(|task| {
+            let (operation, stop, done) =
+                (Arc::clone(&operation), Arc::clone(&stop), Arc::clone(&done));
+            tokio::spawn(async move {
+                let mut n = 0;
+                while !stop.load(Relaxed) {
+                    operation(task, n).await;
+                    n += 1;
+                    done.fetch_add(1, Relaxed);
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(seconds).await;
+    stop.store(true, Relaxed);
+    for handle in handles {
+        handle.await.unwrap();
+    }
+    done.load(Relaxed) as f64 / started.elapsed().as_secs_f64()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Redis of the run's own.
+
+struct RedisServer {
+    child: Child,
+    port: u16,
+}
+
+impl RedisServer {
+    fn start() -> Self {
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--dir", "/tmp"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server on PATH");
+        let started = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self { child, port }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    async fn connection(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+
+    async fn flush(&self) {
+        let () = redis::cmd("FLUSHALL")
+            .query_async(&mut self.connection().await)
+            .await
+            .unwrap();
+    }
+
+    /// Mean `MEMORY USAGE` of (up to 200 of) the keys matching `pattern`.
+    async fn bytes_per_key(&self, pattern: &str) -> Option<f64> {
+        let mut connection = self.connection().await;
+        let (_, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(0)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1_000_000)
+            .query_async(&mut connection)
+            .await
+            .ok()?;
+        let sample: Vec<&String> = keys.iter().take(200).collect();
+        if sample.is_empty() {
+            return None;
+        }
+        let mut total = 0u64;
+        for key in &sample {
+            let bytes: u64 = redis::cmd("MEMORY")
+                .arg("USAGE")
+                .arg(*key)
+                .query_async(&mut connection)
+                .await
+                .unwrap_or_default();
+            total += bytes;
+        }
+        Some(total as f64 / sample.len() as f64)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The report.
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn print_report(
+    options: &Options,
+    runs: &Runs,
+    floors: &BTreeMap<&str, Vec<f64>>,
+) {
+    let get = |setup: &str, workload: &str| runs.get(&(setup.to_owned(), workload.to_owned()));
+    // Per-round ratio of `a` to `b` (req/s), median over rounds.
+    let ratio =
+        |a: &[Run], b: &[Run]| median(a.iter().zip(b).map(|(a, b)| a.rps / b.rps).collect());
+    println!(
+        "\n{} connections, {} s per run, {} interleaved rounds; medians over rounds\n",
+        options.connections, options.seconds, options.rounds
+    );
+    println!(
+        "| setup | workload | req/s | p50 µs | p99 µs | server CPU µs/req | Redis CPU µs/req | × bare |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for setup in SETUPS {
+        for workload in ["fresh", "replay"] {
+            let Some(list) = get(setup, workload) else {
+                continue;
+            };
+            let m = |f: fn(&Run) -> f64| median(list.iter().map(f).collect());
+            let vs_bare = get("bare", workload).map_or(String::from("–"), |bare| {
+                format!("{:.2}", ratio(list, bare))
+            });
+            let redis = if list[0].redis_us_per_req.is_some() {
+                format!("{:.1}", m(|r| r.redis_us_per_req.unwrap_or_default()))
+            } else {
+                "–".into()
+            };
+            println!(
+                "| {setup} | {workload} | {:.0} | {:.0} | {:.0} | {:.1} | {redis} | {vs_bare} |",
+                m(|r| r.rps),
+                m(|r| r.p50_us as f64),
+                m(|r| r.p99_us as f64),
+                m(|r| r.cpu_us_per_req),
+            );
+        }
+    }
+    println!(
+        "\n| floor (claim + complete, {} tasks) | ops/s |",
+        options.connections
+    );
+    println!("|---|---|");
+    for (name, values) in floors {
+        println!("| {name} | {:.0} |", median(values.clone()));
+    }
+    println!("\nRatios (medians of per-round ratios):\n");
+    let cpu = |setup: &str| {
+        get(setup, "fresh").map(|l| median(l.iter().map(|r| r.cpu_us_per_req).collect()))
+    };
+    if let (Some(memory), Some(bare)) = (cpu("memory"), cpu("bare")) {
+        println!(
+            "- layer's own CPU per fresh request (memory − bare): {:.1} µs",
+            memory - bare
+        );
+    }
+    for (a, b, what) in [
+        ("memory", "bare", "fresh keys, memory store vs bare handler"),
+        (
+            "redis",
+            "naive",
+            "fresh keys, Redis store vs naive SET NX EX guard",
+        ),
+    ] {
+        if let (Some(x), Some(y)) = (get(a, "fresh"), get(b, "fresh")) {
+            println!("- {what}: {:.2}×", ratio(x, y));
+        }
+    }
+    if let (Some(x), Some(y)) = (get("redis", "replay"), get("naive", "replay")) {
+        println!("- replays, Redis store vs naive guard: {:.2}×", ratio(x, y));
+    }
+    for setup in ["postgres", "tiered", "redis"] {
+        if let (Some(list), Some(floor)) = (get(setup, "fresh"), floors.get(setup)) {
+            let per_round: Vec<f64> = list.iter().zip(floor).map(|(r, f)| r.rps / f).collect();
+            println!(
+                "- fresh keys, {setup} vs its floor: {:.2}×",
+                median(per_round)
+            );
+        }
+    }
+    if let Some(cpu) = cpu("postgres") {
+        println!("- application CPU per fresh request on Postgres: {cpu:.1} µs");
+    }
+    let redis_cpu = |setup: &str| {
+        get(setup, "fresh").map(|l| {
+            median(
+                l.iter()
+                    .map(|r| r.redis_us_per_req.unwrap_or_default())
+                    .collect(),
+            )
+        })
+    };
+    if let (Some(ours), Some(naive)) = (redis_cpu("redis"), redis_cpu("naive")) {
+        println!(
+            "- Redis server CPU per fresh key: {ours:.1} µs vs naive {naive:.1} µs ({:.2}×)",
+            ours / naive
+        );
+    }
+    let bytes = |setup: &str| {
+        get(setup, "fresh").and_then(|l| l.iter().rev().find_map(|r| r.redis_bytes_per_key))
+    };
+    if let (Some(ours), Some(naive)) = (bytes("redis"), bytes("naive")) {
+        println!("- Redis memory per completed key: {ours:.0} B vs naive {naive:.0} B");
+    }
+}
