@@ -10,7 +10,7 @@ use std::{
 use bytes::{Buf, Bytes};
 use futures_util::FutureExt;
 use http::{HeaderMap, Request, Response, StatusCode};
-use http_body::{Body, Frame};
+use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 use tower_service::Service;
@@ -121,15 +121,63 @@ where
         }
     };
 
-    // Over the cache limit: stream what was read and the rest, and store the outcome bodiless.
+    // Over the cache limit: rare, and a large state of its own, so boxed apart.
+    let past = PastLimit {
+        status: parts.status,
+        headers,
+        read: chunks,
+        overflow,
+        trailers,
+        len,
+    };
+    Box::pin(stream_past_limit(
+        config, parts, hint, body, past, reply, key,
+    ))
+    .await
+}
+
+/// What was read of a response when it went past the cache limit.
+struct PastLimit {
+    status: StatusCode,
+    /// The headers to store.
+    headers: HeaderMap,
+    read: Vec<Bytes>,
+    overflow: Bytes,
+    trailers: Option<HeaderMap>,
+    len: usize,
+}
+
+/// Streams a response over the cache limit to the caller as it is produced (what was read, then
+/// the rest), and stores its outcome without the body.
+async fn stream_past_limit<B, E>(
+    config: &Config,
+    parts: http::response::Parts,
+    hint: SizeHint,
+    mut body: Pin<&mut B>,
+    past: PastLimit,
+    reply: Caller<B, E>,
+    key: &IdempotencyKey,
+) -> Handled<B, E>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let PastLimit {
+        status,
+        headers,
+        read,
+        overflow,
+        mut trailers,
+        mut len,
+    } = past;
     let (frames, receiver) = mpsc::channel::<LiveFrame>(RELAY_FRAMES);
-    let (status, all_headers) = (parts.status, parts.headers.clone());
+    let all_headers = parts.headers.clone();
     let _ = reply.send(Ok(Response::from_parts(
         parts,
         ResponseBody::live(receiver, &hint),
     )));
     let mut caller = Some(frames);
-    for data in chunks.into_iter().chain([overflow]) {
+    for data in read.into_iter().chain([overflow]) {
         len += data.len();
         relay(&mut caller, Ok(Frame::data(data))).await;
     }

@@ -1,10 +1,7 @@
 //! Holding a claimed key: renewing its lease from a task of its own, and finalizing it.
 
 use std::{
-    sync::{
-        Arc, Mutex, PoisonError,
-        atomic::{AtomicBool, Ordering::Relaxed},
-    },
+    sync::{Arc, Mutex, PoisonError, atomic::Ordering::Relaxed},
     time::Duration,
 };
 
@@ -51,7 +48,8 @@ struct Held {
     length: Duration,
     /// When the next renewal is due; `None` while one is under way.
     due: Option<Instant>,
-    lost: Arc<AtomicBool>,
+    /// Whether a renewal found the key in another owner's hands.
+    lost: bool,
     /// Tells a renewal that outlived its request from the slot's next holder.
     generation: u64,
 }
@@ -60,7 +58,6 @@ struct Held {
 pub(crate) struct Keeper {
     config: Arc<Config>,
     slot: usize,
-    lost: Arc<AtomicBool>,
 }
 
 static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -68,12 +65,11 @@ static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::
 impl Keeper {
     /// Starts renewing `lease` every third of the layer's lease length.
     pub(crate) async fn start(config: Arc<Config>, lease: Lease) -> Self {
-        let lost = Arc::new(AtomicBool::new(false));
         let held = Held {
             lease,
             length: config.lease,
             due: Some(Instant::now() + period(config.lease)),
-            lost: Arc::clone(&lost),
+            lost: false,
             generation: GENERATION.fetch_add(1, Relaxed),
         };
         let (slot, spawned) = {
@@ -100,12 +96,14 @@ impl Keeper {
             // this worker starts.
             tokio::task::yield_now().await;
         }
-        Self { config, slot, lost }
+        Self { config, slot }
     }
 
     /// Whether a renewal found the key in another owner's hands.
     pub(crate) fn lost(&self) -> bool {
-        self.lost.load(Relaxed)
+        self.config.shared.leases.lock().held[self.slot]
+            .as_ref()
+            .is_some_and(|held| held.lost)
     }
 }
 
@@ -203,7 +201,7 @@ async fn renew(config: Arc<Config>, slot: usize, generation: u64, lease: Lease, 
     match next {
         Some(after) => held.due = Some(Instant::now() + after),
         None => {
-            held.lost.store(true, Relaxed);
+            held.lost = true;
             drop(state);
             config.metrics.add(|m| &m.leases_lost);
             tracing::warn!(record = %lease.record(), owner = %lease.owner(), "lease lost while the handler runs; its outcome will not be stored");

@@ -126,7 +126,10 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
         let _ = reply.send(answer);
     }
     if let Finalized::Failing = finalized {
-        finalized = lease::finalize_later(&config, &lease, &response, completion, &keeper).await;
+        finalized = Box::pin(lease::finalize_later(
+            &config, &lease, &response, completion, &keeper,
+        ))
+        .await;
     }
     drop(keeper);
     if let Finalized::Done = finalized {
@@ -188,8 +191,36 @@ async fn claim_or_answer<B, E>(
     grpc: bool,
     reply: &mut Caller<B, E>,
 ) -> ControlFlow<Option<Response<ResponseBody<B>>>, u64> {
+    let outcome = config.store.claim(claim).await;
+    match outcome {
+        // Waiting is rare, and its state large: boxed apart.
+        Ok(ClaimOutcome::InFlight { .. }) => {
+            Box::pin(wait_for_the_first(
+                config,
+                claim,
+                request_headers,
+                wait,
+                grpc,
+                reply,
+                outcome,
+            ))
+            .await
+        }
+        other => answer(config, claim.record(), request_headers, other, grpc),
+    }
+}
+
+/// The wait of [`claim_or_answer`] for a key found in flight.
+async fn wait_for_the_first<B, E>(
+    config: &Config,
+    claim: &ClaimRequest,
+    request_headers: &HeaderMap,
+    wait: Duration,
+    grpc: bool,
+    reply: &mut Caller<B, E>,
+    mut outcome: Result<ClaimOutcome, StoreError>,
+) -> ControlFlow<Option<Response<ResponseBody<B>>>, u64> {
     let deadline = Instant::now() + wait;
-    let mut outcome = config.store.claim(claim).await;
     let mut watch = None;
     let (prefix, count) = claim.owner().as_u64_pair();
     let mut backoff = Backoff::new(prefix ^ count.wrapping_mul(0x9e37_79b9_7f4a_7c15));

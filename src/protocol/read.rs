@@ -1,6 +1,6 @@
 //! Reading a guarded request body: within its size and time limits, fingerprinted as it arrives.
 
-use std::pin::pin;
+use std::{pin::pin, task::Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http_body::Body;
@@ -58,10 +58,18 @@ where
         }
         Ok(())
     };
+    // Most bodies have arrived with their request: a timer is armed only for one that has not.
     let timeout = config.request_body_timeout;
-    match tokio::time::timeout(timeout, read).await {
-        Ok(read) => read?,
-        Err(_elapsed) => return Err(Rejection::BodyTimeout { after: timeout }),
+    let deadline = tokio::time::Instant::now() + timeout;
+    {
+        let mut read = pin!(read);
+        match std::future::poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await {
+            Poll::Ready(read) => read?,
+            Poll::Pending => match tokio::time::timeout_at(deadline, read).await {
+                Ok(read) => read?,
+                Err(_elapsed) => return Err(Rejection::BodyTimeout { after: timeout }),
+            },
+        }
     }
     let body = concat(chunks);
     let fingerprint = match &config.fingerprint_body {

@@ -74,6 +74,8 @@ impl Default for State {
 
 #[derive(Debug)]
 struct Entry {
+    /// The map's own key, shared: the expiry and eviction queues name records with it.
+    record: Arc<RecordKey>,
     fingerprint: Fingerprint,
     /// The lease deadline while in flight, the retention deadline once completed.
     expires_at: Instant,
@@ -164,12 +166,15 @@ impl State {
                 self.remove(&record);
             }
         }
-        // Completions whose record went (expired or released) leave the eviction queue too.
-        while let Some((fence, record)) = self.completed.front() {
-            if self.is_completed(record, *fence) {
-                break;
-            }
-            self.completed.pop_front();
+        // Completions whose record went (expired or released) leave the eviction queue too,
+        // once they are many: looking them up costs a hash each.
+        if self.completed.len() > 2 * self.records.len() + 64 {
+            let records = &self.records;
+            self.completed.retain(|(fence, record)| {
+                records.get(record).is_some_and(
+                    |e| matches!(e.state, EntryState::Completed { fence: f, .. } if f == *fence),
+                )
+            });
         }
     }
 
@@ -188,12 +193,22 @@ impl State {
         }
     }
 
-    /// Sets a record's deadline.
-    fn expire_at(&mut self, record: &Arc<RecordKey>, when: Instant) {
-        if let Some(entry) = self.records.get_mut(record) {
-            entry.expires_at = when;
-            self.expiries.push(Reverse((when, Arc::clone(record))));
-        }
+    /// Sets the deadline of the record held by `lease`'s owner in flight; `false` if it is not.
+    fn hold_until(&mut self, lease: &Lease, when: Instant) -> bool {
+        let Some(entry) = self.held_mut(lease) else {
+            return false;
+        };
+        entry.expires_at = when;
+        let record = Arc::clone(&entry.record);
+        self.expiries.push(Reverse((when, record)));
+        true
+    }
+
+    /// The entry `lease`'s owner holds in flight, if it still does.
+    fn held_mut(&mut self, lease: &Lease) -> Option<&mut Entry> {
+        self.records.get_mut(lease.record()).filter(
+            |entry| matches!(entry.state, EntryState::InFlight { owner } if owner == lease.owner()),
+        )
     }
 
     /// Evicts the oldest completed records until `room` more entries and `bytes` more bytes fit;
@@ -240,30 +255,23 @@ impl State {
         }
         self.last_fence += 1;
         let record = Arc::new(request.record().clone());
+        let expires_at = now + request.lease();
+        self.expiries
+            .push(Reverse((expires_at, Arc::clone(&record))));
         self.records.insert(
             Arc::clone(&record),
             Entry {
+                record,
                 fingerprint: *request.fingerprint(),
-                expires_at: now,
+                expires_at,
                 state: EntryState::InFlight {
                     owner: request.owner(),
                 },
             },
         );
-        self.expire_at(&record, now + request.lease());
         Ok(ClaimOutcome::Acquired {
             fence: self.last_fence,
         })
-    }
-
-    /// The record `lease`'s owner holds in flight, if it still does.
-    fn held(&self, lease: &Lease) -> Option<Arc<RecordKey>> {
-        self.records
-            .get_key_value(lease.record())
-            .filter(|(_, entry)| {
-                matches!(entry.state, EntryState::InFlight { owner } if owner == lease.owner())
-            })
-            .map(|(record, _)| Arc::clone(record))
     }
 
     fn complete(
@@ -272,24 +280,28 @@ impl State {
         response: &StoredResponse,
         retention: Duration,
     ) -> Ownership {
-        let Some(record) = self.held(lease) else {
+        if self.held_mut(lease).is_none() {
             return Ownership::Lost;
-        };
+        }
         let bytes = size_of(response);
         // Room for this one: the oldest other completed records go first. A response larger
         // than the whole budget is kept alone.
         self.make_room(0, bytes);
-        if let Some(entry) = self.records.get_mut(&record) {
-            entry.state = EntryState::Completed {
-                response: Arc::new(response.clone()),
-                fence: lease.fence(),
-                bytes,
-            };
-        }
+        let Some(entry) = self.held_mut(lease) else {
+            return Ownership::Lost;
+        };
+        let expires_at = Instant::now() + retention;
+        entry.expires_at = expires_at;
+        entry.state = EntryState::Completed {
+            response: Arc::new(response.clone()),
+            fence: lease.fence(),
+            bytes,
+        };
+        let record = Arc::clone(&entry.record);
         self.bytes += bytes;
-        self.completed
-            .push_back((lease.fence(), Arc::clone(&record)));
-        self.expire_at(&record, Instant::now() + retention);
+        self.expiries
+            .push(Reverse((expires_at, Arc::clone(&record))));
+        self.completed.push_back((lease.fence(), record));
         Ownership::Held
     }
 }
@@ -308,15 +320,12 @@ impl Store for MemoryStore {
         lease: &'a Lease,
         duration: Duration,
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        let mut state = self.lock();
-        let ownership = match state.held(lease) {
-            Some(record) => {
-                state.expire_at(&record, Instant::now() + duration);
-                Ownership::Held
-            }
-            None => Ownership::Lost,
+        let held = self.lock().hold_until(lease, Instant::now() + duration);
+        let ownership = if held {
+            Ownership::Held
+        } else {
+            Ownership::Lost
         };
-        drop(state);
         Box::pin(async move { Ok(ownership) })
     }
 
@@ -332,12 +341,11 @@ impl Store for MemoryStore {
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         let mut state = self.lock();
-        let ownership = match state.held(lease) {
-            Some(record) => {
-                state.remove(&record);
-                Ownership::Held
-            }
-            None => Ownership::Lost,
+        let ownership = if state.held_mut(lease).is_some() {
+            state.remove(lease.record());
+            Ownership::Held
+        } else {
+            Ownership::Lost
         };
         drop(state);
         Box::pin(async move { Ok(ownership) })

@@ -167,7 +167,7 @@ impl fmt::Display for RecordKey {
 /// What a claim asks for.
 #[derive(Debug, Clone)]
 pub struct ClaimRequest {
-    record: RecordKey,
+    record: Arc<RecordKey>,
     fingerprint: Fingerprint,
     owner: Uuid,
     lease: Duration,
@@ -177,7 +177,7 @@ impl ClaimRequest {
     /// A claim of `record` by `owner` (a fresh random token per request attempt) for `lease`.
     pub fn new(record: RecordKey, fingerprint: Fingerprint, owner: Uuid, lease: Duration) -> Self {
         Self {
-            record,
+            record: Arc::new(record),
             fingerprint,
             owner,
             lease,
@@ -206,14 +206,20 @@ impl ClaimRequest {
 
     /// The lease this claim yields once acquired with `fence`.
     pub fn lease_with_fence(&self, fence: u64) -> Lease {
-        Lease::new(self.record.clone(), self.owner, fence)
+        Lease {
+            record: Arc::clone(&self.record),
+            owner: self.owner,
+            fence,
+        }
     }
 }
 
 /// What an owner holds after a successful claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
-    record: RecordKey,
+    /// Shared with the claim it came from: handed around (to the handler, the keeper) without
+    /// copying the scope and key.
+    record: Arc<RecordKey>,
     owner: Uuid,
     fence: u64,
 }
@@ -222,7 +228,7 @@ impl Lease {
     /// The lease `owner` holds on `record`, granted with `fence`.
     pub fn new(record: RecordKey, owner: Uuid, fence: u64) -> Self {
         Self {
-            record,
+            record: Arc::new(record),
             owner,
             fence,
         }

@@ -264,12 +264,19 @@ fn parse_claim(reply: Value, request: &ClaimRequest) -> Result<ClaimOutcome, Str
 }
 
 /// What a record someone holds says to a claim of the same key.
-fn read_record(record: &[u8], request: &ClaimRequest, left: Duration) -> Result<ClaimOutcome, String> {
+fn read_record(
+    record: &[u8],
+    request: &ClaimRequest,
+    left: Duration,
+) -> Result<ClaimOutcome, String> {
     if record.len() < RESPONSE {
         return Err(format!("record of {} bytes is too short", record.len()));
     }
     if record[0] != LAYOUT {
-        return Err(format!("record layout version {}, expected {LAYOUT}", record[0]));
+        return Err(format!(
+            "record layout version {}, expected {LAYOUT}",
+            record[0]
+        ));
     }
     if &record[FINGERPRINT..OWNER] != request.fingerprint().as_bytes() {
         return Ok(ClaimOutcome::Mismatch);
@@ -332,7 +339,11 @@ mod tests {
         let request = request();
         let fp = request.fingerprint().as_bytes();
         let held = |record: Vec<u8>| {
-            Value::Array(vec![Value::Int(1), Value::BulkString(record), Value::Int(1500)])
+            Value::Array(vec![
+                Value::Int(1),
+                Value::BulkString(record),
+                Value::Int(1500),
+            ])
         };
         assert_eq!(
             parse_claim(held(record(LAYOUT, b'i', fp, b"")), &request),
@@ -375,7 +386,11 @@ mod tests {
         let request = request();
         let fp = request.fingerprint().as_bytes();
         let held = |record: Vec<u8>| {
-            Value::Array(vec![Value::Int(1), Value::BulkString(record), Value::Int(1000)])
+            Value::Array(vec![
+                Value::Int(1),
+                Value::BulkString(record),
+                Value::Int(1000),
+            ])
         };
         let bad = [
             Value::Nil,
