@@ -48,7 +48,16 @@ use tower_idempotency::{
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 6] = ["bare", "memory", "naive", "redis", "postgres", "tiered"];
+const SETUPS: [&str; 8] = [
+    "bare",
+    "memory",
+    "naive",
+    "redis",
+    "postgres",
+    "tiered",
+    "memory-1mib",
+    "memory-1mib-unbounded",
+];
 
 /// About 200 bytes, as a payment API answers.
 const ANSWER: &str = r#"{"id":"pay_8f14e45fceea167a5a36dedd4bea2543","object":"payment","amount_cents":4900,"currency":"usd","customer":"cus_1","status":"succeeded","charge_id":"ch_c9f0f895fb98ab9159f51fd0297e236d"}"#;
@@ -125,9 +134,21 @@ fn serve(setup: &str, port: u16, env: &str) {
                         .route_layer(IdempotencyLayer::from_shared_store(store)),
                 )
             };
+            // 1 MiB answers kept 2 s, on a memory store with its default budget or none.
+            let big = |store: MemoryStore| {
+                let handler = post(|_body: Bytes| async {
+                    (StatusCode::CREATED, Bytes::from(vec![b'x'; 1024 * 1024]))
+                });
+                let layer = IdempotencyLayer::new(store)
+                    .with_max_response_body(2 * 1024 * 1024)
+                    .with_retention(Duration::from_secs(2));
+                Router::new().route("/payments", handler.route_layer(layer))
+            };
             let app = match setup.as_str() {
                 "bare" => Router::new().route("/payments", handler),
                 "memory" => layered(Arc::new(MemoryStore::new())),
+                "memory-1mib" => big(MemoryStore::new()),
+                "memory-1mib-unbounded" => big(MemoryStore::new().with_max_bytes(usize::MAX)),
                 "redis" => layered(Arc::new(redis_store(&redis_url, &prefix))),
                 "postgres" => layered(Arc::new(postgres_store(&database_url, &schema).await)),
                 "tiered" => layered(Arc::new(TieredStore::new(
@@ -218,6 +239,8 @@ type Runs = BTreeMap<(String, String), Vec<Run>>;
 #[derive(Debug, Clone, Default)]
 struct Run {
     rps: f64,
+    /// The server's peak resident memory, in MiB.
+    peak_rss_mib: f64,
     /// Mean `MEMORY USAGE` of the keys a Redis setup completed.
     redis_bytes_per_key: Option<f64>,
     p50_us: u64,
@@ -252,7 +275,12 @@ async fn drive(options: Options) {
             .iter()
             .filter(|s| options.only.iter().any(|o| o == *s))
         {
-            for workload in ["fresh", "replay"] {
+            let workloads: &[&str] = if setup.starts_with("memory-1mib") {
+                &["fresh"]
+            } else {
+                &["fresh", "replay"]
+            };
+            for &workload in workloads {
                 let run =
                     measure(setup, workload, &env, &redis, options.connections, seconds).await;
                 eprintln!("round {round} {setup:>8} {workload:>6}: {run:?}");
@@ -333,6 +361,7 @@ async fn measure(
     };
     let elapsed = started.elapsed();
     let cpu = process_cpu(server.id()) - cpu_before;
+    let peak_rss_mib = peak_rss_kib(server.id()) as f64 / 1024.0;
     let redis_cpu = process_cpu(redis.child.id()) - redis_before;
     let _ = server.kill();
     let _ = server.wait();
@@ -347,6 +376,7 @@ async fn measure(
     let at = |q: f64| latencies[((requests as f64 - 1.0) * q) as usize];
     Run {
         redis_bytes_per_key,
+        peak_rss_mib,
         rps: requests as f64 / elapsed.as_secs_f64(),
         p50_us: at(0.5),
         p99_us: at(0.99),
@@ -452,6 +482,16 @@ fn process_cpu(pid: u32) -> Duration {
     let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
     let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
     Duration::from_secs_f64(ticks as f64 / clock_ticks() as f64)
+}
+
+/// A process's peak resident set (`VmHWM`), in KiB.
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn clock_ticks() -> u64 {
@@ -701,11 +741,7 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
-fn print_report(
-    options: &Options,
-    runs: &Runs,
-    floors: &BTreeMap<&str, Vec<f64>>,
-) {
+fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&str, Vec<f64>>) {
     let get = |setup: &str, workload: &str| runs.get(&(setup.to_owned(), workload.to_owned()));
     // Per-round ratio of `a` to `b` (req/s), median over rounds.
     let ratio =
@@ -715,9 +751,9 @@ fn print_report(
         options.connections, options.seconds, options.rounds
     );
     println!(
-        "| setup | workload | req/s | p50 µs | p99 µs | server CPU µs/req | Redis CPU µs/req | × bare |"
+        "| setup | workload | req/s | p50 µs | p99 µs | server CPU µs/req | Redis CPU µs/req | server peak RSS MiB | × bare |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for setup in SETUPS {
         for workload in ["fresh", "replay"] {
             let Some(list) = get(setup, workload) else {
@@ -733,11 +769,12 @@ fn print_report(
                 "–".into()
             };
             println!(
-                "| {setup} | {workload} | {:.0} | {:.0} | {:.0} | {:.1} | {redis} | {vs_bare} |",
+                "| {setup} | {workload} | {:.0} | {:.0} | {:.0} | {:.1} | {redis} | {:.0} | {vs_bare} |",
                 m(|r| r.rps),
                 m(|r| r.p50_us as f64),
                 m(|r| r.p99_us as f64),
                 m(|r| r.cpu_us_per_req),
+                m(|r| r.peak_rss_mib),
             );
         }
     }

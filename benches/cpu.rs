@@ -1,0 +1,151 @@
+//! The layer's own CPU work, in process: key parsing, fingerprints, the stored-response codec,
+//! and whole requests through an axum route without the layer, with it (fresh keys and
+//! replays, on the memory store), and with a 64 KiB body next to the SHA-256 of 64 KiB.
+//!
+//! ```sh
+//! cargo bench --bench cpu
+//! ```
+
+use std::{
+    hint::black_box,
+    sync::atomic::{AtomicU64, Ordering::Relaxed},
+};
+
+use axum::{Router, body::Body, http::StatusCode, routing::post};
+use bytes::Bytes;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use http::{HeaderMap, HeaderValue, Request, header};
+use http_body_util::BodyExt;
+use sha2::{Digest, Sha256};
+use tower::ServiceExt;
+use tower_idempotency::{
+    Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse,
+};
+
+/// About 200 bytes, as a payment API answers.
+const ANSWER: &str = r#"{"id":"pay_8f14e45fceea167a5a36dedd4bea2543","object":"payment","amount_cents":4900,"currency":"usd","customer":"cus_1","status":"succeeded","charge_id":"ch_c9f0f895fb98ab9159f51fd0297e236d"}"#;
+
+fn keys(c: &mut Criterion) {
+    let mut group = c.benchmark_group("key");
+    group.bench_function("bare token", |b| {
+        b.iter(|| IdempotencyKey::parse(black_box(b"8e03978e-40d5-43e8-bc93-6894a57f9324")))
+    });
+    group.bench_function("string with parameters", |b| {
+        b.iter(|| {
+            IdempotencyKey::parse(black_box(br#""8e03978e-40d5-43e8-bc93-6894a57f9324";v=1"#))
+        })
+    });
+    group.finish();
+}
+
+fn fingerprints(c: &mut Criterion) {
+    let parts = Request::post("/v1/payments?expand=customer")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(())
+        .unwrap()
+        .into_parts()
+        .0;
+    let mut group = c.benchmark_group("fingerprint");
+    for size in [1024, 64 * 1024, 1024 * 1024] {
+        let body = vec![b'x'; size];
+        group.throughput(Throughput::Bytes(size as u64));
+        group.bench_with_input(BenchmarkId::new("request", size), &body, |b, body| {
+            b.iter(|| Fingerprint::of_request(&parts, &[], black_box(body)))
+        });
+        group.bench_with_input(BenchmarkId::new("sha-256 alone", size), &body, |b, body| {
+            b.iter(|| Sha256::digest(black_box(body)))
+        });
+    }
+    group.finish();
+}
+
+fn stored_response() -> StoredResponse {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("203"));
+    headers.insert(
+        header::LOCATION,
+        HeaderValue::from_static("/payments/pay_1"),
+    );
+    headers.insert("x-ratelimit-remaining", HeaderValue::from_static("99"));
+    StoredResponse::new(
+        StatusCode::CREATED,
+        headers,
+        Some(Bytes::from_static(ANSWER.as_bytes())),
+        None,
+    )
+}
+
+fn codec(c: &mut Criterion) {
+    let response = stored_response();
+    let encoded = response.encode();
+    let mut group = c.benchmark_group("stored response");
+    group.bench_function("encode", |b| b.iter(|| black_box(&response).encode()));
+    group.bench_function("decode", |b| {
+        b.iter(|| StoredResponse::decode(black_box(encoded.clone())))
+    });
+    group.finish();
+}
+
+fn app(layer: Option<IdempotencyLayer>) -> Router {
+    let handler = post(|_body: Bytes| async {
+        (
+            StatusCode::CREATED,
+            [(header::CONTENT_TYPE, "application/json")],
+            ANSWER,
+        )
+    });
+    match layer {
+        Some(layer) => Router::new().route("/payments", handler.route_layer(layer)),
+        None => Router::new().route("/payments", handler),
+    }
+}
+
+async fn send(app: &Router, key: String, body: &Bytes) {
+    let request = Request::post("/payments")
+        .header("idempotency-key", key)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body.clone()))
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    response.into_body().collect().await.unwrap();
+}
+
+fn requests(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut group = c.benchmark_group("request");
+    for size in [1024, 64 * 1024] {
+        let body = Bytes::from(vec![b'x'; size]);
+        let bare = app(None);
+        group.bench_function(BenchmarkId::new("no layer", size), |b| {
+            b.to_async(&runtime).iter(|| send(&bare, "k".into(), &body))
+        });
+        // A store that forgets fast enough not to grow without bound over the run.
+        let layered = app(Some(IdempotencyLayer::new(
+            MemoryStore::new().with_max_entries(100_000),
+        )));
+        let fresh = AtomicU64::new(0);
+        group.bench_function(BenchmarkId::new("fresh key", size), |b| {
+            b.to_async(&runtime).iter(|| {
+                let key = format!("fresh-{}", fresh.fetch_add(1, Relaxed));
+                send(&layered, key, &body)
+            })
+        });
+        runtime.block_on(send(&layered, "replayed".into(), &body));
+        group.bench_function(BenchmarkId::new("replay", size), |b| {
+            b.to_async(&runtime)
+                .iter(|| send(&layered, "replayed".into(), &body))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, keys, fingerprints, codec, requests);
+criterion_main!(benches);
