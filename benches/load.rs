@@ -3,7 +3,7 @@
 //! measured by the same program.
 //!
 //! ```sh
-//! cargo bench --bench load                      # about four minutes
+//! cargo bench --bench load                      # about ten minutes
 //! cargo bench --bench load -- --seconds 3 --rounds 1 --only bare,memory
 //! ```
 //!
@@ -691,6 +691,7 @@ impl RedisServer {
 
     async fn flush(&self) {
         let () = redis::cmd("FLUSHALL")
+            .arg("ASYNC")
             .query_async(&mut self.connection().await)
             .await
             .unwrap();

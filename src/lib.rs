@@ -55,8 +55,9 @@
 //! 3. The key is **claimed** in the [`Store`](store::Store) with a fresh owner token, a fence
 //!    number and a lease. No request reaches the handler without a claim. A request that finds
 //!    its key in flight waits for the first one ([`IdempotencyLayer::with_wait`]).
-//! 4. The handler runs in a task of its own, so it finishes even if the client disconnects;
-//!    another task renews the lease while it runs, and a panic becomes a 500 that frees the key.
+//! 4. The handler runs in the response future, moved to a task of its own if the client
+//!    disconnects, so it finishes; a task renews the lease while it runs, and a panic becomes a
+//!    500 that frees the key.
 //! 5. The key is **completed** (response stored) or **released** (deleted) according to the
 //!    [`CompletionPolicy`], but only if this owner still holds it; then the response is sent, so
 //!    a caller holding its answer finds the key final. A response over the cache limit streams

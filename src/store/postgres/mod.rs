@@ -72,9 +72,9 @@ const STORE: &str = "postgres";
 /// The store's statements run on connections of its own (up to 16,
 /// [`with_max_connections`](Self::with_max_connections)), made with the pool's connect options:
 /// sqlx's pool would add a health-check round trip before and after every statement, and the
-/// store's connections carry settings of their own (custom plans, so that no cached generic plan
-/// made on an empty table ever scans the grown one; and a statement timeout equal to the store's
-/// bound). The pool serves the handlers' transactions and the migrations. Budget for both in
+/// store's connections carry settings of their own (`enable_seqscan = off`, so that no cached
+/// generic plan made on an empty table ever scans the grown one; and a statement timeout equal to
+/// the store's bound). The pool serves the handlers' transactions and the migrations. Budget for both in
 /// the server's `max_connections`.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
