@@ -22,6 +22,8 @@
 //! | `PAYMENTS_PAUSE_AFTER_COMMIT_MS` | a pause after the payment's transaction commits, before the answer (0) |
 //!
 //! With neither URL set, everything lives in memory: fine to try, no protection across processes.
+//! `GET /metrics` serves the crate's metrics in Prometheus' text format; the admin example
+//! (`examples/admin.rs`) inspects and forgets keys in the same stores.
 
 use std::{
     collections::HashMap,
@@ -45,6 +47,7 @@ use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
 };
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{Deserialize, Serialize};
 use sqlx::{FromRow, PgPool, postgres::PgPoolOptions};
 use tower_idempotency::{
@@ -322,6 +325,15 @@ fn fail(what: &str, error: impl std::fmt::Display) -> ! {
     std::process::exit(1)
 }
 
+/// The crate's metrics (and any other recorded through the `metrics` facade), for Prometheus.
+async fn metrics(prometheus: PrometheusHandle) -> impl IntoResponse {
+    prometheus.run_upkeep();
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        prometheus.render(),
+    )
+}
+
 #[tokio::main]
 async fn main() {
     tracing_subscriber::fmt()
@@ -330,6 +342,9 @@ async fn main() {
                 .unwrap_or_else(|_| "info,tower_idempotency=debug".into()),
         )
         .init();
+    let prometheus = PrometheusBuilder::new()
+        .install_recorder()
+        .unwrap_or_else(|e| fail("installing the metrics recorder", e));
 
     let postgres = match env::var("DATABASE_URL") {
         Ok(url) => {
@@ -407,7 +422,8 @@ async fn main() {
     let app = Router::new()
         .route("/payments", post(create_payment).route_layer(layer))
         .route("/payments/{id}", get(get_payment))
-        .with_state(Arc::new(state));
+        .with_state(Arc::new(state))
+        .route("/metrics", get(move || metrics(prometheus.clone())));
 
     let port = env::var("PORT")
         .ok()

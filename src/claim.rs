@@ -20,6 +20,8 @@ pub struct IdempotencyClaim {
     lease: Lease,
     retention: Duration,
     lease_duration: Duration,
+    /// How `commit_with_response` stores a response, as the layer would.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     rules: Arc<StoreRules>,
 }
 

@@ -23,7 +23,9 @@ use uuid::Uuid;
 
 use crate::{
     Fingerprint, IdempotencyKey, StoredResponse,
-    store::{ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, Store},
+    store::{
+        ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, RecordState, Store, StoreError,
+    },
 };
 
 /// Generates one `#[tokio::test]` per conformance case, each calling `$make.await` for its store.
@@ -46,6 +48,7 @@ macro_rules! store_conformance_tests {
             retention_expiry_frees_the_key,
             scopes_are_independent,
             concurrent_claims_have_one_winner,
+            an_operator_can_inspect_list_and_forget_keys,
         );
     };
     (@cases $make:expr; $($case:ident,)*) => {
@@ -392,4 +395,75 @@ pub async fn concurrent_claims_have_one_winner<S: Store>(store: &S) {
         assert_eq!(acquired, 1, "{CLAIMS} concurrent claims: {outcomes:?}");
         assert_eq!(in_flight, CLAIMS - 1, "{outcomes:?}");
     }
+}
+
+/// The operator's calls, which a store may leave out (this case passes on a store whose
+/// `inspect` answers [`StoreError::Unsupported`]): `inspect` shows a key in flight with its
+/// fence, owner and lease, then completed with its status; `stuck` lists a key in flight claimed
+/// longer ago than asked, and only then; `forget` deletes a key, which is claimable again.
+pub async fn an_operator_can_inspect_list_and_forget_keys(store: &impl Store) {
+    let record = record();
+    match store.inspect(&record).await {
+        Err(StoreError::Unsupported { .. }) => return,
+        Ok(None) => {}
+        other => panic!("inspect of a key never claimed: {other:?}"),
+    }
+    let lease = acquire(store, &request(&record, "a", LONG)).await;
+    let info = store
+        .inspect(&record)
+        .await
+        .expect("inspect failed")
+        .expect("inspect does not see a key in flight");
+    assert_eq!(info.record, record);
+    assert_eq!(info.state, RecordState::InFlight);
+    assert_eq!(info.fence, lease.fence(), "inspect shows another fence");
+    assert_eq!(info.owner, lease.owner(), "inspect shows another owner");
+    let left = info
+        .lease_left
+        .expect("no lease left shown for a key in flight");
+    assert!(
+        left > LONG / 2 && left <= LONG,
+        "lease left {left:?} of {LONG:?}"
+    );
+    assert_eq!(info.status, None);
+
+    let listed = |stuck: Vec<crate::store::RecordInfo>| stuck.iter().any(|i| i.record == record);
+    let stuck = store
+        .stuck(Duration::ZERO, 100_000)
+        .await
+        .expect("stuck failed");
+    assert!(listed(stuck), "stuck does not list a key in flight");
+    let stuck = store
+        .stuck(Duration::from_secs(3600), 100_000)
+        .await
+        .expect("stuck failed");
+    assert!(
+        !listed(stuck),
+        "stuck lists a key claimed a moment ago as an hour old"
+    );
+
+    complete(store, &lease, &response()).await;
+    let info = store
+        .inspect(&record)
+        .await
+        .unwrap()
+        .expect("inspect does not see a completed key");
+    assert_eq!(info.state, RecordState::Completed);
+    assert_eq!(info.status, Some(StatusCode::CREATED));
+    assert!(
+        !listed(store.stuck(Duration::ZERO, 100_000).await.unwrap()),
+        "stuck lists a completed key"
+    );
+
+    assert!(
+        store.forget(&record).await.expect("forget failed"),
+        "forget found nothing"
+    );
+    assert_eq!(
+        store.inspect(&record).await.unwrap(),
+        None,
+        "forgotten, still there"
+    );
+    assert!(!store.forget(&record).await.unwrap(), "forgot a key twice");
+    acquire(store, &request(&record, "another request", LONG)).await;
 }

@@ -13,7 +13,7 @@ use crate::{
     protocol::{Durations, Leases, Waiters},
     response::StoreRules,
     scope,
-    store::Store,
+    store::{RecordKey, Store},
 };
 
 /// Applies [`Idempotency`] to a service. Build it once, with a store, and add it like any layer.
@@ -56,6 +56,8 @@ pub(crate) struct Config {
     pub(crate) finalize_deadline: Duration,
     pub(crate) policy: CompletionPolicy,
     pub(crate) problem_response: Option<Arc<ProblemFn>>,
+    pub(crate) log_keys_in_clear: bool,
+    pub(crate) answer_level: tracing::Level,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) shared: Arc<Shared>,
 }
@@ -123,6 +125,8 @@ impl IdempotencyLayer {
                 finalize_deadline: DEFAULT_FINALIZE_DEADLINE,
                 policy: CompletionPolicy::default(),
                 problem_response: None,
+                log_keys_in_clear: false,
+                answer_level: tracing::Level::INFO,
                 metrics: Arc::default(),
                 shared: Arc::default(),
             },
@@ -316,9 +320,47 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Whether logs and spans show keys and scopes as they are (`true`) or, by default, as
+    /// pseudonyms: `#` and 12 hex digits of their SHA-256, the same on every instance, so one key
+    /// can be followed through the logs without customers' order numbers or tenants' names in
+    /// them. A pseudonym is not encryption: a guessable key can be found by hashing guesses.
+    pub fn log_keys_in_clear(mut self, clear: bool) -> Self {
+        self.config.log_keys_in_clear = clear;
+        self
+    }
+
+    /// The level of the event logged for every answer the layer gives instead of the handler
+    /// (a replay, a 409, a 422, a 400…): `INFO` by default. Store failures are logged at
+    /// `ERROR` whatever this says.
+    pub fn with_answer_log_level(mut self, level: tracing::Level) -> Self {
+        self.config.answer_level = level;
+        self
+    }
+
     /// The counters of every service this layer builds.
     pub fn metrics(&self) -> Arc<Metrics> {
         Arc::clone(&self.config.metrics)
+    }
+}
+
+impl Config {
+    /// A record as this layer's logs show it, outside a request's span (which names it).
+    pub(crate) fn shown_record<'a>(
+        &self,
+        record: &'a RecordKey,
+    ) -> crate::telemetry::ShownRecord<'a> {
+        crate::telemetry::ShownRecord {
+            scope: self.shown(record.scope()),
+            key: self.shown(record.key().as_str()),
+        }
+    }
+
+    /// A key or scope as this layer's logs show it.
+    pub(crate) fn shown<'a>(&self, value: &'a str) -> crate::telemetry::Pseudonym<'a> {
+        crate::telemetry::Pseudonym {
+            value,
+            clear: self.log_keys_in_clear,
+        }
     }
 }
 
@@ -345,6 +387,8 @@ impl fmt::Debug for IdempotencyLayer {
             .field("wait", &self.config.wait)
             .field("finalize_deadline", &self.config.finalize_deadline)
             .field("unstored_headers", &self.config.store_rules.unstored)
+            .field("log_keys_in_clear", &self.config.log_keys_in_clear)
+            .field("answer_level", &self.config.answer_level)
             .finish_non_exhaustive()
     }
 }

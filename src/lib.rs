@@ -118,6 +118,15 @@
 //! | `redis` | `store::RedisStore` |
 //! | `postgres` | `store::PostgresStore`, its migrations and sweeper, `IdempotencyClaim::commit` |
 //! | `conformance` | [`conformance`], the store conformance suite |
+//! | `metrics` | the metrics of [`telemetry`], through the `metrics` facade |
+//!
+//! # Operating it
+//!
+//! Each guarded request runs in an `idempotency` span (key, scope, fence, outcome; keys and
+//! scopes as pseudonyms unless [`IdempotencyLayer::log_keys_in_clear`]), every answer the layer
+//! gives instead of the handler is an event, its response carries an [`IdempotencyOutcome`],
+//! and [`telemetry`] lists the metrics. [`Store::inspect`](store::Store::inspect),
+//! [`forget`](store::Store::forget) and [`stuck`](store::Store::stuck) look at and delete keys.
 //!
 //! [tower]: https://github.com/tower-rs/tower
 
@@ -138,6 +147,7 @@ mod future;
 mod key;
 mod layer;
 mod metrics;
+mod outcome;
 mod policy;
 pub mod problem;
 mod protocol;
@@ -145,6 +155,7 @@ mod response;
 pub mod scope;
 mod service;
 pub mod store;
+pub mod telemetry;
 
 pub use self::{
     body::{RequestBody, ResponseBody},
@@ -158,6 +169,7 @@ pub use self::{
         IdempotencyLayer,
     },
     metrics::{Metrics, MetricsSnapshot},
+    outcome::IdempotencyOutcome,
     policy::{Completion, CompletionPolicy, ResponseSummary},
     response::{DecodeError, StoredResponse},
     service::Idempotency,

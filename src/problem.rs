@@ -224,6 +224,25 @@ impl Rejection {
         }
     }
 
+    /// What the layer did, for operators.
+    pub(crate) fn outcome(&self) -> crate::IdempotencyOutcome {
+        use crate::IdempotencyOutcome as O;
+        match self {
+            Rejection::InvalidKey(_) | Rejection::MissingKey => O::InvalidKey,
+            Rejection::NoScope => O::NoScope,
+            Rejection::BodyTooLarge { .. } => O::BodyTooLarge,
+            Rejection::BodyTimeout { .. } => O::BodyTimeout,
+            Rejection::BodyUnreadable => O::BodyUnreadable,
+            Rejection::Mismatch => O::Mismatch,
+            Rejection::InFlight { .. } => O::InFlight,
+            Rejection::NotAcceptable { .. } => O::NotAcceptable,
+            Rejection::ResponseNotStored { .. } => O::ResponseNotStored,
+            Rejection::OutcomeUnknown => O::OutcomeUnknown,
+            Rejection::StoreUnavailable => O::StoreUnavailable,
+            Rejection::HandlerFailed => O::HandlerFailed,
+        }
+    }
+
     /// The problem this rejection is, about `key` if known.
     pub(crate) fn problem(self, key: Option<&IdempotencyKey>) -> Problem {
         let (status, type_uri, title, grpc_code) = self.describe();

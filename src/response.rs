@@ -178,6 +178,7 @@ impl StoreRules {
     }
 
     /// A whole response as it is stored: its body only within the cache limit.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn record(&self, response: &http::Response<Bytes>) -> StoredResponse {
         let body = (response.body().len() <= self.max_body).then(|| response.body().clone());
         StoredResponse::new(

@@ -94,17 +94,29 @@ where
                     self.inner.call(request.map(RequestBody::passthrough)),
                 );
             }
-            Ok(None) => return self.reject(Rejection::MissingKey, None, grpc),
-            Err(error) => return self.reject(Rejection::InvalidKey(error), None, grpc),
+            Ok(None) => return self.reject(Rejection::MissingKey, None, grpc, request_span()),
+            Err(error) => {
+                return self.reject(Rejection::InvalidKey(error), None, grpc, request_span());
+            }
         };
+        // A span per guarded request, the caller's span its parent: the layer's events and the
+        // handler's run inside it. Key and scope appear as pseudonyms unless configured not to.
+        let span = request_span();
+        span.record(
+            "key",
+            tracing::field::display(self.config.shown(key.as_str())),
+        );
         let (parts, body) = request.into_parts();
         let Some(scope) = (self.config.scope)(&parts) else {
-            tracing::error!(
-                "no idempotency scope for this request: is the layer that authenticates requests \
-                 installed outside the idempotency layer?"
-            );
-            return self.reject(Rejection::NoScope, Some(&key), grpc);
+            span.in_scope(|| {
+                tracing::error!(
+                    "no idempotency scope for this request: is the layer that authenticates \
+                     requests installed outside the idempotency layer?"
+                )
+            });
+            return self.reject(Rejection::NoScope, Some(&key), grpc, span);
         };
+        span.record("scope", tracing::field::display(self.config.shown(&scope)));
         // The service that was driven to readiness is the one that must be called, and it moves
         // into the task; a clone stays here. See tower-service's "Be careful when cloning inner
         // services".
@@ -119,8 +131,19 @@ where
             Request::from_parts(parts, body),
             reply,
         ));
-        ResponseFuture::guarded(work, receiver, tracing::Span::current())
+        ResponseFuture::guarded(work, receiver, span)
     }
+}
+
+/// The span of one guarded request; its fields are filled in as they become known.
+fn request_span() -> tracing::Span {
+    tracing::info_span!(
+        "idempotency",
+        key = tracing::field::Empty,
+        scope = tracing::field::Empty,
+        fence = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+    )
 }
 
 impl<S> Idempotency<S> {
@@ -129,8 +152,10 @@ impl<S> Idempotency<S> {
         rejection: Rejection,
         key: Option<&IdempotencyKey>,
         grpc: bool,
+        span: tracing::Span,
     ) -> ResponseFuture<F, B, E> {
-        ResponseFuture::ready(protocol::respond(&self.config, rejection, key, grpc))
+        let response = span.in_scope(|| protocol::respond(&self.config, rejection, key, grpc));
+        ResponseFuture::ready(response)
     }
 }
 

@@ -2,8 +2,10 @@
 
 mod support;
 
+use std::time::Duration;
+
 use http::{Method, StatusCode};
-use support::{Proc, TestSchema, database_url, post_json, send, url_in_schema};
+use support::{Proc, RedisServer, TestSchema, database_url, post_json, send, url_in_schema};
 
 const PAYMENT: &str = r#"{"amount_cents": 4900, "currency": "usd", "customer": "cus_1"}"#;
 
@@ -160,4 +162,141 @@ async fn hyper_example_runs_an_order_once() {
     assert_eq!(second.body, "order 2: a tea (key order-2)\n");
     let unkeyed = send(Method::POST, &url, &[], "x").await.unwrap();
     assert_eq!(unkeyed.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn payments_example_serves_its_metrics_to_prometheus() {
+    let app = Proc::example("payments", &[]).await;
+    let url = app.url("/payments");
+    post_json(&url, "order-m", PAYMENT).await.unwrap();
+    assert!(
+        post_json(&url, "order-m", PAYMENT)
+            .await
+            .unwrap()
+            .replayed()
+    );
+    let changed = PAYMENT.replace("4900", "5000");
+    assert_eq!(
+        post_json(&url, "order-m", &changed).await.unwrap().status,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+
+    let scraped = send(Method::GET, &app.url("/metrics"), &[], "")
+        .await
+        .unwrap();
+    assert_eq!(scraped.status, StatusCode::OK);
+    let text = String::from_utf8(scraped.body.to_vec()).unwrap();
+    let value = |series: &str| -> f64 {
+        let line = text
+            .lines()
+            .find(|line| line.starts_with(series))
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    for outcome in ["executed", "replayed", "mismatch"] {
+        let series =
+            format!(r#"idempotency_requests_total{{outcome="{outcome}",store="memory"}} "#);
+        assert_eq!(value(&series), 1.0, "{outcome}");
+    }
+    assert_eq!(value("idempotency_handler_seconds_count"), 1.0);
+    assert!(
+        value(r#"idempotency_store_call_seconds_count{operation="claim",store="memory"}"#) >= 3.0
+    );
+    assert_eq!(value("idempotency_claims_held "), 0.0);
+}
+
+/// The admin command, run as an operator would.
+fn admin(env: &[(&str, String)], args: &[&str]) -> String {
+    let output = std::process::Command::new(support::example("admin"))
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "admin {args:?} failed: {stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_command_finds_a_stuck_key_and_forgets_it_so_the_next_request_runs() {
+    let schema = TestSchema::new().await;
+    let redis = RedisServer::start().await;
+    let stores = [
+        ("DATABASE_URL", url_in_schema(&database_url(), &schema.name)),
+        ("REDIS_URL", redis.url()),
+    ];
+    // An instance whose payment takes a minute, under a ten-minute lease; it dies mid-payment.
+    let mut env = stores.to_vec();
+    env.push(("PAYMENTS_WORK_MS", "60000".into()));
+    env.push(("IDEMPOTENCY_LEASE_MS", "600000".into()));
+    let doomed = Proc::example("payments", &env).await;
+    let url = doomed.url("/payments");
+    let hanging = tokio::spawn(async move { post_json(&url, "order-stuck", PAYMENT).await });
+    let listed = support::eventually(
+        Duration::from_secs(10),
+        "the key to be in flight",
+        || async {
+            let out = admin(&stores, &["stuck", "0s"]);
+            if out.contains("order-stuck") {
+                Ok(out)
+            } else {
+                Err(out)
+            }
+        },
+    )
+    .await;
+    assert!(listed.starts_with("1 key(s) in flight"), "{listed}");
+    assert!(listed.contains("anonymous"), "{listed}");
+    support::signal_pid(doomed.pid(), "-KILL");
+    assert!(
+        hanging.await.unwrap().is_err(),
+        "the dying instance answered"
+    );
+
+    // Another instance: the key is held by the dead one for ten minutes.
+    let mut env = stores.to_vec();
+    env.push(("IDEMPOTENCY_WAIT_MS", "200".into()));
+    let survivor = Proc::example("payments", &env).await;
+    let url = survivor.url("/payments");
+    let blocked = post_json(&url, "order-stuck", PAYMENT).await.unwrap();
+    assert_eq!(blocked.status, StatusCode::CONFLICT);
+
+    let inspected = admin(&stores, &["inspect", "order-stuck"]);
+    println!("{listed}\n{inspected}");
+    let tier = |name: &str| {
+        inspected
+            .lines()
+            .find(|line| line.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} row in\n{inspected}"))
+            .to_owned()
+    };
+    assert!(tier("postgres").contains("in_flight"), "{inspected}");
+    assert!(tier("redis").contains("in_flight"), "{inspected}");
+    // Ten minutes of lease, a few seconds gone.
+    assert!(
+        tier("postgres").contains(" 9m 5"),
+        "no lease left shown: {inspected}"
+    );
+    assert!(admin(&stores, &["stuck", "1h"]).starts_with("0 key(s)"));
+
+    let forgotten = admin(&stores, &["forget", "order-stuck"]);
+    assert!(forgotten.starts_with("forgot key"), "{forgotten}");
+    let inspected = admin(&stores, &["inspect", "order-stuck"]);
+    assert_eq!(inspected.matches("(nothing)").count(), 2, "{inspected}");
+
+    let paid = post_json(&url, "order-stuck", PAYMENT).await.unwrap();
+    assert_eq!(paid.status, StatusCode::CREATED);
+    assert!(!paid.replayed());
+    assert_eq!(rows(&schema, "order-stuck").await, 1);
+    let completed = admin(&stores, &["inspect", "order-stuck"]);
+    assert!(
+        completed.contains("completed") && completed.contains("201"),
+        "{completed}"
+    );
+    drop(survivor);
+    schema.drop().await;
 }

@@ -677,7 +677,10 @@ async fn claims_and_fences_stay_index_lookups_after_the_table_grew_from_empty() 
         let request = claim_request(&format!("k-{n}"), LONG);
         let lease = acquire(store, &request).await;
         let mut tx = app_pool.begin().await.unwrap();
-        claim_for(lease.clone(), LONG).commit(&mut tx).await.unwrap();
+        claim_for(lease.clone(), LONG)
+            .commit(&mut tx)
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
         store
             .complete(&lease, &response(StatusCode::OK), LONG)

@@ -15,9 +15,9 @@ use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 use tower_service::Service;
 
-use super::{Caller, Outcome, read::concat, render, vary_names};
+use super::{Caller, Outcome, read::concat, render, report, vary_names};
 use crate::{
-    Completion, IdempotencyKey, StoredResponse,
+    Completion, IdempotencyKey, IdempotencyOutcome, StoredResponse,
     body::{LiveFrame, RequestBody, ResponseBody},
     future::Reply,
     layer::Config,
@@ -60,11 +60,11 @@ where
     let response = match called {
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
-            tracing::warn!(key = %key, "handler returned a service error; releasing the key");
+            tracing::warn!("handler returned a service error; releasing the key");
             return failed(config, key, grpc, reply, Some(error));
         }
         Err(_panic) => {
-            tracing::error!(key = %key, "handler panicked; releasing the key");
+            tracing::error!("handler panicked; releasing the key");
             return failed(config, key, grpc, reply, None);
         }
     };
@@ -86,7 +86,7 @@ where
     let mut len = 0;
     let mut trailers = None;
     let overflow = loop {
-        match next_frame(body.as_mut(), key).await {
+        match next_frame(body.as_mut()).await {
             Next::Data(data) if len + data.len() > config.store_rules.max_body => break data,
             Next::Data(data) => {
                 len += data.len();
@@ -107,7 +107,8 @@ where
                     trailers.clone(),
                 )
                 .with_varied_request_headers(varied);
-                let answer = Response::from_parts(parts, ResponseBody::full(data, trailers));
+                let mut answer = Response::from_parts(parts, ResponseBody::full(data, trailers));
+                report(config, IdempotencyOutcome::Executed, &mut answer);
                 return Handled {
                     outcome: Outcome {
                         response: stored,
@@ -130,10 +131,7 @@ where
         trailers,
         len,
     };
-    Box::pin(stream_past_limit(
-        config, parts, hint, body, past, reply, key,
-    ))
-    .await
+    Box::pin(stream_past_limit(config, parts, hint, body, past, reply)).await
 }
 
 /// What was read of a response when it went past the cache limit.
@@ -156,7 +154,6 @@ async fn stream_past_limit<B, E>(
     mut body: Pin<&mut B>,
     past: PastLimit,
     reply: Caller<B, E>,
-    key: &IdempotencyKey,
 ) -> Handled<B, E>
 where
     B: Body,
@@ -172,17 +169,16 @@ where
     } = past;
     let (frames, receiver) = mpsc::channel::<LiveFrame>(RELAY_FRAMES);
     let all_headers = parts.headers.clone();
-    let _ = reply.send(Ok(Response::from_parts(
-        parts,
-        ResponseBody::live(receiver, &hint),
-    )));
+    let mut head = Response::from_parts(parts, ResponseBody::live(receiver, &hint));
+    report(config, IdempotencyOutcome::Executed, &mut head);
+    let _ = reply.send(Ok(head));
     let mut caller = Some(frames);
     for data in read.into_iter().chain([overflow]) {
         len += data.len();
         relay(&mut caller, Ok(Frame::data(data))).await;
     }
     loop {
-        match next_frame(body.as_mut(), key).await {
+        match next_frame(body.as_mut()).await {
             Next::Data(data) => {
                 len += data.len();
                 relay(&mut caller, Ok(Frame::data(data))).await;
@@ -206,7 +202,11 @@ where
         }
     }
     config.metrics.add(|m| &m.responses_not_stored);
-    tracing::warn!(key = %key, bytes = len, limit = config.store_rules.max_body, "response over the cache limit; storing the outcome without its body");
+    tracing::warn!(
+        bytes = len,
+        limit = config.store_rules.max_body,
+        "response over the cache limit; storing the outcome without its body"
+    );
     let completion = config.policy.decide(&ResponseSummary {
         status,
         headers: &all_headers,
@@ -242,7 +242,7 @@ enum Next {
 }
 
 /// Reads the next data or trailers frame, catching a panic of the body.
-async fn next_frame<B>(mut body: Pin<&mut B>, key: &IdempotencyKey) -> Next
+async fn next_frame<B>(mut body: Pin<&mut B>) -> Next
 where
     B: Body,
     B::Error: Into<BoxError>,
@@ -261,11 +261,14 @@ where
             Ok(None) => Next::End,
             Ok(Some(Err(error))) => {
                 let error: BoxError = error.into();
-                tracing::warn!(key = %key, error = %error, "handler's response body failed");
+                tracing::warn!(
+                    error = &*error as &dyn std::error::Error,
+                    "handler's response body failed"
+                );
                 Next::Failed(error)
             }
             Err(_panic) => {
-                tracing::error!(key = %key, "handler panicked while producing its body");
+                tracing::error!("handler panicked while producing its body");
                 Next::Failed("the handler panicked while producing its body".into())
             }
         };
@@ -290,8 +293,16 @@ fn failed<B, E>(
         None,
     );
     let answer = match error {
-        Some(error) => Err(error),
-        None => Ok(Response::from_parts(parts, ResponseBody::full(body, None))),
+        Some(error) => {
+            tracing::Span::current().record("outcome", IdempotencyOutcome::HandlerFailed.as_str());
+            crate::telemetry::answered(IdempotencyOutcome::HandlerFailed, config.store.kind());
+            Err(error)
+        }
+        None => {
+            let mut answer = Response::from_parts(parts, ResponseBody::full(body, None));
+            report(config, IdempotencyOutcome::HandlerFailed, &mut answer);
+            Ok(answer)
+        }
     };
     Handled {
         outcome: Outcome {

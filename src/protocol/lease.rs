@@ -7,7 +7,6 @@ use std::{
 
 use tokio::{task::JoinHandle, time::Instant};
 
-use super::Chain;
 use crate::{
     Completion, StoredResponse,
     layer::Config,
@@ -90,6 +89,7 @@ impl Keeper {
             }
             (slot, !running)
         };
+        crate::telemetry::claims_held(1.0);
         if spawned {
             // A task just spawned waits in its worker's LIFO slot, which no other worker
             // steals: yield, so that it runs (and arms its timer) before a handler that blocks
@@ -109,6 +109,7 @@ impl Keeper {
 
 impl Drop for Keeper {
     fn drop(&mut self) {
+        crate::telemetry::claims_held(-1.0);
         let mut state = self.config.shared.leases.lock();
         state.held[self.slot] = None;
         state.free.push(self.slot);
@@ -175,7 +176,8 @@ async fn renew(config: Arc<Config>, slot: usize, generation: u64, lease: Lease, 
             .is_some_and(|h| h.generation == generation)
     };
     let next = loop {
-        match config.store.renew(&lease, length).await {
+        let renewed = config.store.renew(&lease, length);
+        match crate::telemetry::timed("renew", config.store.kind(), renewed).await {
             Ok(Ownership::Held) => break Some(period(length)),
             Ok(Ownership::Busy) => {
                 tokio::time::sleep(BUSY_RETRY.min(period(length))).await;
@@ -185,7 +187,11 @@ async fn renew(config: Arc<Config>, slot: usize, generation: u64, lease: Lease, 
             }
             Ok(_) => break None,
             Err(error) => {
-                tracing::warn!(record = %lease.record(), error = %Chain(&error), "lease renewal failed; retrying");
+                tracing::warn!(
+                    record = %config.shown_record(lease.record()),
+                    error = &error as &dyn std::error::Error,
+                    "lease renewal failed; retrying"
+                );
                 break Some(period(length));
             }
         }
@@ -204,7 +210,12 @@ async fn renew(config: Arc<Config>, slot: usize, generation: u64, lease: Lease, 
             held.lost = true;
             drop(state);
             config.metrics.add(|m| &m.leases_lost);
-            tracing::warn!(record = %lease.record(), owner = %lease.owner(), "lease lost while the handler runs; its outcome will not be stored");
+            crate::telemetry::count("idempotency_leases_lost_total");
+            tracing::warn!(
+                record = %config.shown_record(lease.record()),
+                owner = %lease.owner(),
+                "lease lost while the handler runs; its outcome will not be stored"
+            );
         }
     }
 }
@@ -231,7 +242,11 @@ pub(crate) async fn finalize(
         match finalize_once(config, lease, response, completion).await {
             Ok(()) => return Finalized::Done,
             Err(error) => {
-                tracing::warn!(record = %lease.record(), attempt, error = %Chain(&error), "finalize failed; retrying");
+                tracing::warn!(
+                    attempt,
+                    error = &error as &dyn std::error::Error,
+                    "finalize failed; retrying"
+                );
             }
         }
         if attempt < QUICK_ATTEMPTS {
@@ -256,6 +271,7 @@ pub(crate) async fn finalize_later(
     keeper: &Keeper,
 ) -> Finalized {
     config.metrics.add(|m| &m.finalize_errors);
+    crate::telemetry::count("idempotency_finalize_failures_total");
     let deadline = Instant::now() + config.finalize_deadline;
     let mut delay = Duration::from_millis(250);
     while Instant::now() < deadline && !keeper.lost() {
@@ -263,15 +279,18 @@ pub(crate) async fn finalize_later(
         delay = (delay * 2).min(Duration::from_secs(5));
         match finalize_once(config, lease, response, completion).await {
             Ok(()) => {
-                tracing::info!(record = %lease.record(), "finalized after store failures");
+                tracing::info!("finalized after store failures");
                 return Finalized::Done;
             }
             Err(error) => {
-                tracing::warn!(record = %lease.record(), error = %Chain(&error), "finalize still failing; the key stays held");
+                tracing::warn!(
+                    error = &error as &dyn std::error::Error,
+                    "finalize still failing; the key stays held"
+                );
             }
         }
     }
-    tracing::error!(record = %lease.record(), deadline = ?config.finalize_deadline, "gave up finalizing; the key frees itself when its lease ends");
+    tracing::error!(deadline = ?config.finalize_deadline, "gave up finalizing; the key frees itself when its lease ends");
     Finalized::Failing
 }
 
@@ -282,28 +301,37 @@ async fn finalize_once(
     response: &StoredResponse,
     completion: Completion,
 ) -> Result<(), StoreError> {
-    let store = &config.store;
-    let complete = || store.complete(lease, response, config.retention);
+    let (store, kind) = (&config.store, config.store.kind());
+    let complete = || {
+        crate::telemetry::timed(
+            "complete",
+            kind,
+            store.complete(lease, response, config.retention),
+        )
+    };
     let ownership = match completion {
         Completion::Complete => complete().await?,
-        Completion::Release => match store.release(lease).await? {
-            Ownership::Committed => complete().await?,
-            Ownership::Held => {
-                config.metrics.add(|m| &m.releases);
-                tracing::debug!(record = %lease.record(), "key released");
-                return Ok(());
+        Completion::Release => {
+            match crate::telemetry::timed("release", kind, store.release(lease)).await? {
+                Ownership::Committed => complete().await?,
+                Ownership::Held => {
+                    config.metrics.add(|m| &m.releases);
+                    tracing::debug!("key released");
+                    return Ok(());
+                }
+                other => other,
             }
-            other => other,
-        },
+        }
     };
     match ownership {
         Ownership::Held => {
             config.metrics.add(|m| &m.completions);
-            tracing::debug!(record = %lease.record(), status = response.status().as_u16(), "key completed");
+            tracing::debug!(status = response.status().as_u16(), "key completed");
         }
         _ => {
             config.metrics.add(|m| &m.leases_lost);
-            tracing::warn!(record = %lease.record(), owner = %lease.owner(), fence = lease.fence(), "lease lost before finalizing: nothing stored (another attempt holds the key)");
+            crate::telemetry::count("idempotency_leases_lost_total");
+            tracing::warn!(owner = %lease.owner(), fence = lease.fence(), "lease lost before finalizing: nothing stored (another attempt holds the key)");
         }
     }
     Ok(())

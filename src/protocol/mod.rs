@@ -30,13 +30,14 @@ use self::{
     wait::Backoff,
 };
 use crate::{
-    Completion, IdempotencyClaim, IdempotencyKey, StoredResponse,
+    Completion, IdempotencyClaim, IdempotencyKey, IdempotencyOutcome, StoredResponse,
     body::{RequestBody, ResponseBody},
     future::Reply,
     layer::Config,
     policy::is_grpc,
     problem::Rejection,
     store::{BoxError, ClaimOutcome, ClaimRequest, RecordKey, StoreError},
+    telemetry,
 };
 
 /// The header that marks a replayed response.
@@ -89,7 +90,8 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     };
     config.metrics.add(|m| &m.executions);
     let lease = claim.lease_with_fence(fence);
-    tracing::debug!(record = %lease.record(), fence, owner = %lease.owner(), "claimed; running handler");
+    tracing::Span::current().record("fence", fence);
+    tracing::debug!(owner = %lease.owner(), "claimed; running handler");
     let keeper = Keeper::start(Arc::clone(&config), lease.clone()).await;
 
     // The response may vary on request headers (`Vary`): keep them to store with it.
@@ -112,7 +114,9 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
         grpc,
     )
     .await;
-    config.shared.durations.record(started.elapsed());
+    let took = started.elapsed();
+    config.shared.durations.record(took);
+    telemetry::handler_took(config.store.kind(), took);
     let Outcome {
         response,
         completion,
@@ -191,7 +195,8 @@ async fn claim_or_answer<B, E>(
     grpc: bool,
     reply: &mut Caller<B, E>,
 ) -> ControlFlow<Option<Response<ResponseBody<B>>>, u64> {
-    let outcome = config.store.claim(claim).await;
+    let kind = config.store.kind();
+    let outcome = telemetry::timed("claim", kind, config.store.claim(claim)).await;
     match outcome {
         // Waiting is rare, and its state large: boxed apart.
         Ok(ClaimOutcome::InFlight { .. }) => {
@@ -245,6 +250,7 @@ async fn wait_for_the_first<B, E>(
         }
         let watch = watch.get_or_insert_with(|| {
             config.metrics.add(|m| &m.waits);
+            telemetry::count("idempotency_waits_total");
             config.shared.waiters.watch(claim.record())
         });
         tokio::select! {
@@ -252,7 +258,7 @@ async fn wait_for_the_first<B, E>(
             () = tokio::time::sleep(backoff.pause().min(deadline - now)) => {}
             () = reply.closed() => return ControlFlow::Break(None),
         }
-        outcome = config.store.claim(claim).await;
+        outcome = telemetry::timed("claim", config.store.kind(), config.store.claim(claim)).await;
     }
 }
 
@@ -269,9 +275,10 @@ fn answer<B>(
         Ok(ClaimOutcome::Completed { response, .. }) if response.body().is_some() => {
             match vary_mismatch(&response, request_headers) {
                 None => {
-                    tracing::debug!(record = %record, "replaying stored response");
                     config.metrics.add(|m| &m.replays);
-                    return ControlFlow::Break(Some(replay(*response)));
+                    let mut response = replay(*response);
+                    report(config, IdempotencyOutcome::Replayed, &mut response);
+                    return ControlFlow::Break(Some(response));
                 }
                 Some(headers) => Rejection::NotAcceptable { headers },
             }
@@ -284,11 +291,14 @@ fn answer<B>(
         },
         Ok(ClaimOutcome::Mismatch) => Rejection::Mismatch,
         Ok(ClaimOutcome::Orphaned) => {
-            tracing::warn!(record = %record, "key committed but its response was lost");
+            tracing::warn!("key committed but its response was lost");
             Rejection::OutcomeUnknown
         }
         Err(error) => {
-            tracing::error!(record = %record, error = %Chain(&error), "claim failed; handler not run");
+            tracing::error!(
+                error = &error as &dyn std::error::Error,
+                "claim failed; handler not run"
+            );
             Rejection::StoreUnavailable
         }
     };
@@ -348,7 +358,30 @@ pub(crate) fn respond<B>(
         Rejection::StoreUnavailable => &m.store_unavailable,
         Rejection::HandlerFailed | Rejection::NoScope => &m.handler_failures,
     });
-    render(config, rejection, key, grpc).map(|body| ResponseBody::full(body, None))
+    let outcome = rejection.outcome();
+    let mut response =
+        render(config, rejection, key, grpc).map(|body| ResponseBody::full(body, None));
+    report(config, outcome, &mut response);
+    response
+}
+
+/// Tells the outside what the layer did with a request: the span's `outcome`, the metrics, an
+/// event when the layer answered instead of the handler, and the response's extension.
+pub(crate) fn report<B>(config: &Config, outcome: IdempotencyOutcome, response: &mut Response<B>) {
+    tracing::Span::current().record("outcome", outcome.as_str());
+    telemetry::answered(outcome, config.store.kind());
+    if outcome.answered_by_layer() {
+        let status = response.status().as_u16();
+        let message = "answered instead of the handler";
+        match config.answer_level {
+            tracing::Level::ERROR => tracing::error!(%outcome, status, "{message}"),
+            tracing::Level::WARN => tracing::warn!(%outcome, status, "{message}"),
+            tracing::Level::INFO => tracing::info!(%outcome, status, "{message}"),
+            tracing::Level::DEBUG => tracing::debug!(%outcome, status, "{message}"),
+            tracing::Level::TRACE => tracing::trace!(%outcome, status, "{message}"),
+        }
+    }
+    response.extensions_mut().insert(outcome);
 }
 
 /// The layer's own answer, rendered for its caller: a gRPC status, or the problem through the
@@ -364,20 +397,5 @@ fn render(
         _ if grpc => problem.to_grpc_response(),
         Some(hook) => hook(&problem),
         None => problem.to_response(),
-    }
-}
-
-/// Displays an error with its chain of sources: "a: b: c".
-struct Chain<'a>(&'a dyn std::error::Error);
-
-impl std::fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(error) = source {
-            write!(f, ": {error}")?;
-            source = error.source();
-        }
-        Ok(())
     }
 }

@@ -6,7 +6,6 @@ use bytes::{Buf, Bytes, BytesMut};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError};
 
-use super::Chain;
 use crate::{
     Fingerprint, fingerprint::FingerprintHasher, layer::Config, problem::Rejection, store::BoxError,
 };
@@ -40,7 +39,10 @@ where
                     // A limit outside this layer (tower-http's RequestBodyLimitLayer, say).
                     Rejection::BodyTooLarge { limit: None }
                 } else {
-                    tracing::debug!(error = %Chain(&*error), "request body failed");
+                    tracing::debug!(
+                        error = &*error as &dyn std::error::Error,
+                        "request body failed"
+                    );
                     Rejection::BodyUnreadable
                 }
             })?;

@@ -9,7 +9,8 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::{
-    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, Store, StoreError,
+    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordInfo, RecordKey, RecordState,
+    Store, StoreError,
 };
 use crate::{Fingerprint, StoredResponse};
 
@@ -77,6 +78,10 @@ struct Entry {
     /// The map's own key, shared: the expiry and eviction queues name records with it.
     record: Arc<RecordKey>,
     fingerprint: Fingerprint,
+    /// The claim that holds (or completed) the record, and when it was made.
+    fence: u64,
+    owner: Uuid,
+    claimed_at: Instant,
     /// The lease deadline while in flight, the retention deadline once completed.
     expires_at: Instant,
     state: EntryState,
@@ -84,13 +89,9 @@ struct Entry {
 
 #[derive(Debug)]
 enum EntryState {
-    InFlight {
-        owner: Uuid,
-    },
+    InFlight,
     Completed {
         response: Arc<StoredResponse>,
-        /// The fence the record completed under: identifies it in the eviction queue.
-        fence: u64,
         bytes: usize,
     },
 }
@@ -171,18 +172,18 @@ impl State {
         if self.completed.len() > 2 * self.records.len() + 64 {
             let records = &self.records;
             self.completed.retain(|(fence, record)| {
-                records.get(record).is_some_and(
-                    |e| matches!(e.state, EntryState::Completed { fence: f, .. } if f == *fence),
-                )
+                records
+                    .get(record)
+                    .is_some_and(|e| e.is_completed_under(*fence))
             });
         }
     }
 
     /// Whether `record` is still the one completed under `fence`.
     fn is_completed(&self, record: &RecordKey, fence: u64) -> bool {
-        self.records.get(record).is_some_and(
-            |e| matches!(e.state, EntryState::Completed { fence: f, .. } if f == fence),
-        )
+        self.records
+            .get(record)
+            .is_some_and(|e| e.is_completed_under(fence))
     }
 
     fn remove(&mut self, record: &RecordKey) {
@@ -206,9 +207,9 @@ impl State {
 
     /// The entry `lease`'s owner holds in flight, if it still does.
     fn held_mut(&mut self, lease: &Lease) -> Option<&mut Entry> {
-        self.records.get_mut(lease.record()).filter(
-            |entry| matches!(entry.state, EntryState::InFlight { owner } if owner == lease.owner()),
-        )
+        self.records.get_mut(lease.record()).filter(|entry| {
+            matches!(entry.state, EntryState::InFlight) && entry.owner == lease.owner()
+        })
     }
 
     /// Evicts the oldest completed records until `room` more entries and `bytes` more bytes fit;
@@ -233,7 +234,7 @@ impl State {
                 ClaimOutcome::Mismatch
             } else {
                 match &entry.state {
-                    EntryState::InFlight { .. } => ClaimOutcome::InFlight {
+                    EntryState::InFlight => ClaimOutcome::InFlight {
                         retry_after: entry.expires_at - now,
                     },
                     EntryState::Completed { response, .. } => ClaimOutcome::Completed {
@@ -263,10 +264,11 @@ impl State {
             Entry {
                 record,
                 fingerprint: *request.fingerprint(),
+                fence: self.last_fence,
+                owner: request.owner(),
+                claimed_at: now,
                 expires_at,
-                state: EntryState::InFlight {
-                    owner: request.owner(),
-                },
+                state: EntryState::InFlight,
             },
         );
         Ok(ClaimOutcome::Acquired {
@@ -294,7 +296,6 @@ impl State {
         entry.expires_at = expires_at;
         entry.state = EntryState::Completed {
             response: Arc::new(response.clone()),
-            fence: lease.fence(),
             bytes,
         };
         let record = Arc::clone(&entry.record);
@@ -349,6 +350,78 @@ impl Store for MemoryStore {
         };
         drop(state);
         Box::pin(async move { Ok(ownership) })
+    }
+
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        record: &'a RecordKey,
+    ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
+        let now = Instant::now();
+        let info = self
+            .lock()
+            .records
+            .get(record)
+            .filter(|entry| entry.expires_at > now)
+            .map(|entry| entry.info(now));
+        Box::pin(async move { Ok(info) })
+    }
+
+    fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let mut state = self.lock();
+        let found = state.records.contains_key(record);
+        state.remove(record);
+        drop(state);
+        Box::pin(async move { Ok(found) })
+    }
+
+    fn stuck<'a>(
+        &'a self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
+        let now = Instant::now();
+        let mut stuck: Vec<RecordInfo> = self
+            .lock()
+            .records
+            .values()
+            .filter(|e| matches!(e.state, EntryState::InFlight) && e.expires_at > now)
+            .filter(|e| now - e.claimed_at >= older_than)
+            .map(|entry| entry.info(now))
+            .collect();
+        stuck.sort_by_key(|info| std::cmp::Reverse(info.age));
+        stuck.truncate(limit);
+        Box::pin(async move { Ok(stuck) })
+    }
+}
+
+impl Entry {
+    /// Whether this is the record completed under `fence` (the eviction queue names records
+    /// by their fence, since a key may be released and claimed again).
+    fn is_completed_under(&self, fence: u64) -> bool {
+        self.fence == fence && matches!(self.state, EntryState::Completed { .. })
+    }
+
+    fn info(&self, now: Instant) -> RecordInfo {
+        let (state, lease_left, status) = match &self.state {
+            EntryState::InFlight => (RecordState::InFlight, Some(self.expires_at - now), None),
+            EntryState::Completed { response, .. } => {
+                (RecordState::Completed, None, Some(response.status()))
+            }
+        };
+        RecordInfo {
+            record: RecordKey::clone(&self.record),
+            state,
+            fence: self.fence,
+            owner: self.owner,
+            lease_left,
+            age: Some(now - self.claimed_at),
+            expires_in: self.expires_at - now,
+            status,
+        }
     }
 }
 

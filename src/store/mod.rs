@@ -93,6 +93,57 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes the key if `lease`'s owner still holds it in flight. A committed key is not
     /// released: the answer is [`Ownership::Committed`] and the caller completes it instead.
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>>;
+
+    /// What kind of store this is, for metrics labels: `memory`, `redis`, `postgres`, `tiered`.
+    fn kind(&self) -> &'static str {
+        "custom"
+    }
+
+    /// What the store holds for `record`, for an operator: `None` if nothing (or only an
+    /// expired record). Stores that cannot tell answer [`StoreError::Unsupported`].
+    fn inspect<'a>(
+        &'a self,
+        record: &'a RecordKey,
+    ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
+        let _ = record;
+        Box::pin(async move {
+            Err(StoreError::Unsupported {
+                store: self.kind(),
+                operation: "inspect",
+            })
+        })
+    }
+
+    /// Deletes whatever the store holds for `record`, whoever holds it, for an operator:
+    /// whether there was something. Forgetting a key in flight lets a retry run the handler
+    /// while the first attempt may still run; forgetting a completed key lets a retry run it
+    /// again. Stores that cannot answer [`StoreError::Unsupported`].
+    fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let _ = record;
+        Box::pin(async move {
+            Err(StoreError::Unsupported {
+                store: self.kind(),
+                operation: "forget",
+            })
+        })
+    }
+
+    /// Keys claimed at least `older_than` ago and still unfinished (in flight, or committed
+    /// without a response), oldest first, at most `limit` of them, for an operator. Stores that
+    /// cannot list them answer [`StoreError::Unsupported`].
+    fn stuck<'a>(
+        &'a self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
+        let _ = (older_than, limit);
+        Box::pin(async move {
+            Err(StoreError::Unsupported {
+                store: self.kind(),
+                operation: "stuck",
+            })
+        })
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -122,6 +173,81 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         (**self).release(lease)
+    }
+
+    fn kind(&self) -> &'static str {
+        (**self).kind()
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        record: &'a RecordKey,
+    ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
+        (**self).inspect(record)
+    }
+
+    fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
+        (**self).forget(record)
+    }
+
+    fn stuck<'a>(
+        &'a self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
+        (**self).stuck(older_than, limit)
+    }
+}
+
+/// What a store holds for one key, as an operator sees it ([`Store::inspect`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RecordInfo {
+    /// The key and its scope.
+    pub record: RecordKey,
+    /// Where the key stands.
+    pub state: RecordState,
+    /// The fence of the claim that holds (or completed) it.
+    pub fence: u64,
+    /// The owner token of that claim.
+    pub owner: Uuid,
+    /// Time left on the lease, while in flight or committed (zero once it lapsed).
+    pub lease_left: Option<Duration>,
+    /// Time since the claim, where the store knows it.
+    pub age: Option<Duration>,
+    /// Time left before the store forgets the key.
+    pub expires_in: Duration,
+    /// The status of the stored response, once there is one.
+    pub status: Option<http::StatusCode>,
+}
+
+/// Where a key stands in a store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecordState {
+    /// Claimed; the handler runs (or its owner died and the lease has not run out yet).
+    InFlight,
+    /// The handler's business write committed through the fence; the response is not stored
+    /// yet (unless the fence stored one with it).
+    Committed,
+    /// The response is stored; retries are replayed.
+    Completed,
+}
+
+impl RecordState {
+    /// `in_flight`, `committed` or `completed`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::InFlight => "in_flight",
+            Self::Committed => "committed",
+            Self::Completed => "completed",
+        }
+    }
+}
+
+impl fmt::Display for RecordState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -158,9 +284,20 @@ impl fmt::Debug for RecordKey {
     }
 }
 
+/// `scope #… key #…`: pseudonyms of both (SHA-256 prefixes), since this is what error messages
+/// and logs print; [`scope`](RecordKey::scope) and [`key`](RecordKey::key) give them as they are.
 impl fmt::Display for RecordKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "scope {:?} key {:?}", self.scope, self.key.as_str())
+        let pseudonym = |value| crate::telemetry::Pseudonym {
+            value,
+            clear: false,
+        };
+        write!(
+            f,
+            "scope {} key {}",
+            pseudonym(&self.scope),
+            pseudonym(self.key.as_str())
+        )
     }
 }
 
@@ -316,6 +453,14 @@ pub enum StoreError {
         store: &'static str,
         /// The bound that passed.
         after: Duration,
+    },
+    /// The store does not offer this operation (an operator's: inspect, forget, stuck).
+    #[error("the {store} store does not support {operation}")]
+    Unsupported {
+        /// Which store.
+        store: &'static str,
+        /// The operation asked for.
+        operation: &'static str,
     },
     /// A record could not be read back (corrupted, or written by an incompatible version).
     #[error("{store} store holds an unreadable record for {record}")]

@@ -13,7 +13,8 @@ use ::redis::{
 use bytes::Bytes;
 
 use super::{
-    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, Store, StoreError,
+    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordInfo, RecordKey, RecordState,
+    Store, StoreError,
 };
 use crate::StoredResponse;
 
@@ -115,6 +116,19 @@ impl RedisStore {
             .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
             .set_max_delay(Duration::from_secs(2));
         ConnectionManager::new_lazy_with_config(client.clone(), config)
+    }
+
+    /// The record a Redis key of this store's names, if it is one.
+    fn parse_record_key(&self, key: &[u8]) -> Option<RecordKey> {
+        let rest = std::str::from_utf8(key).ok()?.strip_prefix(&*self.prefix)?;
+        let (len, rest) = rest.split_once(':')?;
+        let len: usize = len.parse().ok()?;
+        let scope = rest.get(..len)?;
+        let key = rest.get(len..)?.strip_prefix(':')?;
+        Some(RecordKey::new(
+            scope,
+            crate::IdempotencyKey::try_from(key).ok()?,
+        ))
     }
 
     /// The Redis key of a record. The scope is length-prefixed, so no (scope, key) pair can
@@ -225,6 +239,148 @@ impl Store for RedisStore {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move { self.owner_checked(&RELEASE, lease, &[]).await })
     }
+
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        record: &'a RecordKey,
+    ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
+        Box::pin(async move {
+            let key = self.record_key(record);
+            let mut pipe = ::redis::pipe();
+            pipe.cmd("GET").arg(&key).cmd("PTTL").arg(&key).cmd("TIME");
+            let mut connection = self.connection.clone();
+            let (value, pttl, now): (Option<Vec<u8>>, i64, (u64, u64)) =
+                self.call(pipe.query_async(&mut connection)).await?;
+            let now = u128::from(now.0) * 1_000_000 + u128::from(now.1);
+            value
+                .map(|value| record_info(record.clone(), &value, pttl, now))
+                .transpose()
+                .map_err(|reason| StoreError::Corrupt {
+                    store: STORE,
+                    record: record.clone(),
+                    source: reason.into(),
+                })
+        })
+    }
+
+    fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let deleted: i64 = self
+                .call(
+                    ::redis::cmd("DEL")
+                        .arg(self.record_key(record))
+                        .query_async(&mut connection),
+                )
+                .await?;
+            Ok(deleted > 0)
+        })
+    }
+
+    /// Scans the keys under the store's prefix: an operator's tool, which costs Redis a pass over
+    /// its keyspace (in batches of 1000, never blocking it).
+    fn stuck<'a>(
+        &'a self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let pattern = format!("{}*", self.prefix);
+            let mut cursor = 0u64;
+            let mut stuck = Vec::new();
+            loop {
+                let (next, keys): (u64, Vec<Vec<u8>>) = self
+                    .call(
+                        ::redis::cmd("SCAN")
+                            .arg(cursor)
+                            .arg("MATCH")
+                            .arg(&pattern)
+                            .arg("COUNT")
+                            .arg(1000)
+                            .query_async(&mut connection),
+                    )
+                    .await?;
+                let mut pipe = ::redis::pipe();
+                for key in &keys {
+                    pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
+                }
+                pipe.cmd("TIME");
+                let mut replies: Vec<Value> = self.call(pipe.query_async(&mut connection)).await?;
+                let now: (u64, u64) = ::redis::from_redis_value(
+                    replies.pop().unwrap_or(Value::Nil),
+                )
+                .map_err(|error| StoreError::Backend {
+                    store: STORE,
+                    source: error.into(),
+                })?;
+                let now = u128::from(now.0) * 1_000_000 + u128::from(now.1);
+                for (key, pair) in keys.iter().zip(replies.chunks(2)) {
+                    let (Some(record), [Value::BulkString(value), Value::Int(pttl)]) =
+                        (self.parse_record_key(key), pair)
+                    else {
+                        continue;
+                    };
+                    if let Ok(info) = record_info(record, value, *pttl, now) {
+                        if info.state == RecordState::InFlight
+                            && info.age.is_some_and(|age| age >= older_than)
+                        {
+                            stuck.push(info);
+                        }
+                    }
+                }
+                cursor = next;
+                if cursor == 0 {
+                    break;
+                }
+            }
+            stuck.sort_by_key(|info| std::cmp::Reverse(info.age));
+            stuck.truncate(limit);
+            Ok(stuck)
+        })
+    }
+}
+
+/// What a record says, for an operator: `now` and the fence (the claim's time) are the Redis
+/// server's clock in microseconds.
+fn record_info(
+    record: RecordKey,
+    value: &[u8],
+    pttl: i64,
+    now: u128,
+) -> Result<RecordInfo, String> {
+    if value.len() < RESPONSE || value[0] != LAYOUT {
+        return Err("not a record of this layout".into());
+    }
+    let owner = uuid::Uuid::from_slice(&value[OWNER..FENCE]).map_err(|e| e.to_string())?;
+    let fence: u64 = std::str::from_utf8(&value[FENCE..RESPONSE])
+        .ok()
+        .and_then(|f| f.parse().ok())
+        .ok_or("unreadable fence")?;
+    let left = Duration::from_millis(u64::try_from(pttl).unwrap_or(0));
+    let (state, lease_left, status) = match value[STATE] {
+        b'i' => (RecordState::InFlight, Some(left), None),
+        b'c' => {
+            let response = StoredResponse::decode(Bytes::copy_from_slice(&value[RESPONSE..]))
+                .map_err(|e| e.to_string())?;
+            (RecordState::Completed, None, Some(response.status()))
+        }
+        other => return Err(format!("unknown state {:?}", char::from(other))),
+    };
+    Ok(RecordInfo {
+        record,
+        state,
+        fence,
+        owner,
+        lease_left,
+        age: Some(since(u128::from(fence), now)),
+        expires_in: left,
+        status,
+    })
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -291,6 +447,11 @@ fn read_record(
             .map_err(|error| error.to_string()),
         other => Err(format!("unknown state {:?}", char::from(other))),
     }
+}
+
+/// The time between two instants of the server's clock (µs), or zero if the second came first.
+fn since(earlier: u128, later: u128) -> Duration {
+    Duration::from_micros(u64::try_from(later.saturating_sub(earlier)).unwrap_or(u64::MAX))
 }
 
 #[cfg(test)]

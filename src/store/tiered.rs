@@ -5,7 +5,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, Store, StoreError};
+use super::{
+    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordInfo, RecordKey, Store,
+    StoreError,
+};
 use crate::StoredResponse;
 
 /// A fast first line (`front`, typically [`RedisStore`](crate::store::RedisStore)) in front of
@@ -74,17 +77,18 @@ impl<F: Store, A: Store> TieredStore<F, A> {
     /// Runs a call on the front unless the breaker skips it; `None` when skipped or failed.
     async fn on_front<T>(
         &self,
-        what: &str,
+        what: &'static str,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Option<T> {
         if !self.breaker.allows() {
+            crate::telemetry::front_fallback(what);
             return None;
         }
         self.front_result(what, call.await)
     }
 
     /// Reads the result of a front call, opening the breaker on a failure; `None` when failed.
-    fn front_result<T>(&self, what: &str, result: Result<T, StoreError>) -> Option<T> {
+    fn front_result<T>(&self, what: &'static str, result: Result<T, StoreError>) -> Option<T> {
         match result {
             Ok(value) => {
                 self.breaker.succeeded();
@@ -92,6 +96,7 @@ impl<F: Store, A: Store> TieredStore<F, A> {
             }
             // One unreadable record says nothing about the front's health.
             Err(error @ StoreError::Corrupt { .. }) => {
+                crate::telemetry::front_fallback(what);
                 tracing::warn!(
                     error = &error as &dyn std::error::Error,
                     "front store {what} failed; using the authority"
@@ -99,7 +104,9 @@ impl<F: Store, A: Store> TieredStore<F, A> {
                 None
             }
             Err(error) => {
+                crate::telemetry::front_fallback(what);
                 if self.breaker.failed() {
+                    crate::telemetry::breaker(true);
                     tracing::warn!(error = &error as &dyn std::error::Error, cooldown = ?self.breaker.cooldown, "front store {what} failed; skipping it for the cooldown");
                 }
                 None
@@ -149,6 +156,7 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
                     Some(_) | None => None,
                 }
             } else {
+                crate::telemetry::front_fallback("claim");
                 None
             };
             let outcome = self.authority.claim(request).await;
@@ -227,6 +235,49 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
             Ok(ownership)
         })
     }
+
+    fn kind(&self) -> &'static str {
+        "tiered"
+    }
+
+    /// The authority's record: the truth. [`TieredStore::inspect_tiers`] shows both.
+    fn inspect<'a>(
+        &'a self,
+        record: &'a RecordKey,
+    ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
+        self.authority.inspect(record)
+    }
+
+    /// Forgets the key in both tiers, the authority first.
+    fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let authority = self.authority.forget(record).await?;
+            let front = self.front.forget(record).await?;
+            Ok(authority || front)
+        })
+    }
+
+    /// The authority's stuck keys.
+    fn stuck<'a>(
+        &'a self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
+        self.authority.stuck(older_than, limit)
+    }
+}
+
+impl<F: Store, A: Store> TieredStore<F, A> {
+    /// What each tier holds for `record`: the front's, then the authority's.
+    pub async fn inspect_tiers(
+        &self,
+        record: &RecordKey,
+    ) -> (
+        Result<Option<RecordInfo>, StoreError>,
+        Result<Option<RecordInfo>, StoreError>,
+    ) {
+        tokio::join!(self.front.inspect(record), self.authority.inspect(record))
+    }
 }
 
 /// Skips the front for a cooldown after it fails. Times are this process's monotonic clock:
@@ -280,6 +331,7 @@ impl Breaker {
     fn succeeded(&self) {
         if self.open_until.load(Ordering::Relaxed) != 0 {
             self.open_until.store(0, Ordering::Relaxed);
+            crate::telemetry::breaker(false);
             tracing::info!("front store answers again");
         }
     }

@@ -213,14 +213,21 @@ pub struct RedisServer {
     child: Option<Child>,
     pub port: u16,
     paused: bool,
+    extra: Vec<String>,
 }
 
 impl RedisServer {
     pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// A server started with extra arguments (`--requirepass`, say).
+    pub async fn start_with(extra: &[&str]) -> Self {
         let mut server = Self {
             child: None,
             port: free_port(),
             paused: false,
+            extra: extra.iter().map(|&a| a.to_owned()).collect(),
         };
         server.spawn().await;
         server
@@ -230,6 +237,7 @@ impl RedisServer {
         let child = Command::new("redis-server")
             .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
             .args(["--save", "", "--appendonly", "no", "--dir", "/tmp"])
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stdin(Stdio::null())
             .spawn()

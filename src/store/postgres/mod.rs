@@ -10,12 +10,13 @@ use std::{
 };
 
 use bytes::Bytes;
-use sqlx::{Connection, PgConnection, PgPool, Row, migrate::Migrator};
+use sqlx::{Connection, PgConnection, PgPool, Row, migrate::Migrator, postgres::PgRow};
 use tokio::task::JoinHandle;
 
 use self::{connections::Connections, sql::*};
 use super::{
-    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, Store, StoreError,
+    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordInfo, RecordKey, RecordState,
+    Store, StoreError,
 };
 use crate::StoredResponse;
 
@@ -178,6 +179,7 @@ impl PostgresStore {
                 .await?
                 .rows_affected();
             total += deleted;
+            crate::telemetry::count_n("idempotency_swept_rows_total", deleted);
             if deleted < self.sweep_batch as u64 {
                 return Ok(total);
             }
@@ -196,7 +198,10 @@ impl PostgresStore {
                 match store.sweep().await {
                     Ok(0) => {}
                     Ok(deleted) => tracing::debug!(deleted, "swept expired idempotency keys"),
-                    Err(error) => tracing::warn!(error = %error, "idempotency sweep failed"),
+                    Err(error) => tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "idempotency sweep failed"
+                    ),
                 }
             }
         })
@@ -482,6 +487,119 @@ impl Store for PostgresStore {
                 (false, false) => Ownership::Lost,
             })
         })
+    }
+
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        record: &'a RecordKey,
+    ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
+        Box::pin(async move {
+            let row = self
+                .bounded(async {
+                    let mut connection = self.connections.lend().await?;
+                    let result = sqlx::query(INSPECT)
+                        .bind(record.scope())
+                        .bind(record.key().as_str())
+                        .fetch_optional(&mut *connection)
+                        .await;
+                    connection.give_back(&result);
+                    result
+                })
+                .await?;
+            row.map(|row| read_info(&row)).transpose()
+        })
+    }
+
+    fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let deleted = self
+                .bounded(async {
+                    let mut connection = self.connections.lend().await?;
+                    let result = sqlx::query(FORGET)
+                        .bind(record.scope())
+                        .bind(record.key().as_str())
+                        .execute(&mut *connection)
+                        .await;
+                    connection.give_back(&result);
+                    result
+                })
+                .await?;
+            Ok(deleted.rows_affected() > 0)
+        })
+    }
+
+    fn stuck<'a>(
+        &'a self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
+        Box::pin(async move {
+            let rows = self
+                .bounded(async {
+                    let mut connection = self.connections.lend().await?;
+                    let result = sqlx::query(STUCK)
+                        .bind(millis(older_than))
+                        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                        .fetch_all(&mut *connection)
+                        .await;
+                    connection.give_back(&result);
+                    result
+                })
+                .await?;
+            rows.iter().map(read_info).collect()
+        })
+    }
+}
+
+/// An operator's view of a row of [`INSPECT`] or [`STUCK`].
+fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
+    let scope: String = row.try_get("scope").map_err(backend)?;
+    let key: String = row.try_get("key").map_err(backend)?;
+    let key =
+        crate::IdempotencyKey::try_from(key.as_str()).map_err(|e| backend_msg(e.to_string()))?;
+    let record = RecordKey::new(scope, key);
+    let state = match row.try_get::<String, _>("state").map_err(backend)?.as_str() {
+        "in_flight" => RecordState::InFlight,
+        "committed" => RecordState::Committed,
+        "completed" => RecordState::Completed,
+        other => {
+            return Err(StoreError::Corrupt {
+                store: STORE,
+                record,
+                source: format!("unknown state {other:?}").into(),
+            });
+        }
+    };
+    let millis = |column| -> Result<Duration, StoreError> {
+        let millis: Option<i64> = row.try_get(column).map_err(backend)?;
+        Ok(Duration::from_millis(
+            u64::try_from(millis.unwrap_or(0)).unwrap_or(0),
+        ))
+    };
+    let fence: i64 = row.try_get("fence").map_err(backend)?;
+    let status: Option<i16> = row.try_get("status").map_err(backend)?;
+    Ok(RecordInfo {
+        state,
+        fence: u64::try_from(fence).unwrap_or_default(),
+        owner: row.try_get("owner").map_err(backend)?,
+        lease_left: (state != RecordState::Completed)
+            .then(|| millis("lease_ms"))
+            .transpose()?,
+        age: Some(millis("age_ms")?),
+        expires_in: millis("expires_ms")?,
+        status: status.and_then(|s| http::StatusCode::from_u16(s as u16).ok()),
+        record,
+    })
+}
+
+fn backend_msg(message: String) -> StoreError {
+    StoreError::Backend {
+        store: STORE,
+        source: message.into(),
     }
 }
 

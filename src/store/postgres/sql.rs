@@ -143,3 +143,29 @@ DELETE FROM idempotency_keys k
 USING doomed
 WHERE k.scope = doomed.scope AND k.key = doomed.key
 ";
+
+/// What an operator sees of one key (a live row only).
+pub(super) const INSPECT: &str = r"
+SELECT scope, key, state, fence, owner, status,
+       ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
+       ceil(extract(epoch FROM now() - created_at) * 1000)::int8 AS age_ms,
+       ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms
+FROM idempotency_keys
+WHERE scope = $1 AND key = $2 AND expires_at > now()
+";
+
+/// Forgets one key, whoever holds it.
+pub(super) const FORGET: &str = "DELETE FROM idempotency_keys WHERE scope = $1 AND key = $2";
+
+/// Keys claimed at least $1 ms ago and still unfinished, oldest first, at most $2.
+pub(super) const STUCK: &str = r"
+SELECT scope, key, state, fence, owner, status,
+       ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
+       ceil(extract(epoch FROM now() - created_at) * 1000)::int8 AS age_ms,
+       ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms
+FROM idempotency_keys
+WHERE state IN ('in_flight', 'committed') AND response IS NULL AND expires_at > now()
+  AND created_at <= now() - $1::float8 * interval '1 millisecond'
+ORDER BY created_at
+LIMIT $2
+";
