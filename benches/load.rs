@@ -660,12 +660,14 @@ struct RedisServer {
 impl RedisServer {
     fn start() -> Self {
         let port = free_port();
-        let child = Command::new("redis-server")
+        let program = std::env::var_os("REDIS_SERVER").unwrap_or_else(|| "redis-server".into());
+        let child = Command::new(program)
             .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--save", "", "--appendonly", "no", "--dir", "/tmp"])
+            .args(["--save", "", "--appendonly", "no", "--dir"])
+            .arg(std::env::temp_dir())
             .stdout(Stdio::null())
             .spawn()
-            .expect("redis-server on PATH");
+            .expect("redis-server on PATH, or REDIS_SERVER set to its path");
         let started = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(

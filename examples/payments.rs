@@ -49,7 +49,10 @@ use hyper_util::{
 };
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{Deserialize, Serialize};
-use sqlx::{FromRow, PgPool, postgres::PgPoolOptions};
+use sqlx::{
+    FromRow, PgPool, Row,
+    postgres::{PgPoolOptions, PgRow},
+};
 use tower_idempotency::{
     IdempotencyClaim, IdempotencyLayer, MemoryStore,
     store::{FenceError, PostgresStore, RedisStore, Store, TieredStore},
@@ -62,7 +65,7 @@ struct NewPayment {
     customer: String,
 }
 
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, Serialize)]
 struct Payment {
     id: String,
     amount_cents: i64,
@@ -71,6 +74,21 @@ struct Payment {
     status: String,
     charge_id: String,
     idempotency_key: String,
+}
+
+// Written out rather than derived: the crate builds sqlx without its `macros` feature.
+impl FromRow<'_, PgRow> for Payment {
+    fn from_row(row: &PgRow) -> sqlx::Result<Self> {
+        Ok(Self {
+            id: row.try_get("id")?,
+            amount_cents: row.try_get("amount_cents")?,
+            currency: row.try_get("currency")?,
+            customer: row.try_get("customer")?,
+            status: row.try_get("status")?,
+            charge_id: row.try_get("charge_id")?,
+            idempotency_key: row.try_get("idempotency_key")?,
+        })
+    }
 }
 
 /// Where payments are kept.

@@ -44,17 +44,44 @@ impl Fingerprint {
 }
 
 /// A fingerprint in the making: the head first, then the body as it arrives.
-pub(crate) struct FingerprintHasher {
-    digest: Sha256,
+pub(crate) struct FingerprintHasher<D = Sha256> {
+    digest: D,
     body_len: u64,
+}
+
+/// Where the framed input goes: the digest, or (for the fuzz target that checks the framing)
+/// the bytes themselves.
+pub(crate) trait Absorb {
+    fn absorb(&mut self, bytes: &[u8]);
+}
+
+impl Absorb for Sha256 {
+    fn absorb(&mut self, bytes: &[u8]) {
+        self.update(bytes);
+    }
+}
+
+impl Absorb for Vec<u8> {
+    fn absorb(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
 }
 
 impl FingerprintHasher {
     pub(crate) fn new(parts: &Parts, headers: &[HeaderName]) -> Self {
-        let mut digest = Sha256::new();
+        Self::framing(Sha256::new(), parts, headers)
+    }
+
+    pub(crate) fn finish(self) -> Fingerprint {
+        Fingerprint(self.close().finalize().into())
+    }
+}
+
+impl<D: Absorb> FingerprintHasher<D> {
+    fn framing(mut digest: D, parts: &Parts, headers: &[HeaderName]) -> Self {
         let mut field = |bytes: &[u8]| {
-            digest.update((bytes.len() as u64).to_be_bytes());
-            digest.update(bytes);
+            digest.absorb(&(bytes.len() as u64).to_be_bytes());
+            digest.absorb(bytes);
         };
         // A version tag, so a future change of this layout cannot match an old digest.
         field(b"tower-idempotency/fingerprint/v2");
@@ -79,14 +106,25 @@ impl FingerprintHasher {
     /// Adds body bytes. The body is the last part, so it needs no prefix; its length closes
     /// the digest.
     pub(crate) fn update(&mut self, chunk: &[u8]) {
-        self.digest.update(chunk);
+        self.digest.absorb(chunk);
         self.body_len += chunk.len() as u64;
     }
 
-    pub(crate) fn finish(mut self) -> Fingerprint {
-        self.digest.update(self.body_len.to_be_bytes());
-        Fingerprint(self.digest.finalize().into())
+    fn close(mut self) -> D {
+        self.digest.absorb(&self.body_len.to_be_bytes());
+        self.digest
     }
+}
+
+/// The bytes [`Fingerprint::of_request`] digests, for the fuzz target that checks they can be
+/// read back into the request's parts (so no two requests share them). Built under
+/// `cargo fuzz` only.
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub fn fingerprint_input(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Vec<u8> {
+    let mut framing = FingerprintHasher::framing(Vec::new(), parts, headers);
+    framing.update(body);
+    framing.close()
 }
 
 /// A hook that decides what of the body takes part in the fingerprint; see

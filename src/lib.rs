@@ -98,8 +98,8 @@
 //! | store | use |
 //! |---|---|
 //! | [`MemoryStore`] | tests and single-process development only: **no protection across instances** |
-//! | `store::RedisStore` (feature `redis`) | a fast shared store; alone, a best effort (eviction, failover) |
-//! | `store::PostgresStore` (feature `postgres`) | the source of truth, with the handler fence ([`IdempotencyClaim`]`::commit`) |
+//! | [`store::RedisStore`] (feature `redis`) | a fast shared store; alone, a best effort (eviction, failover) |
+//! | [`store::PostgresStore`] (feature `postgres`) | the source of truth, with the handler fence ([`IdempotencyClaim::commit`]) |
 //! | [`store::TieredStore`] | a fast front before an authority: Redis before Postgres is the production setup |
 //!
 //! # Limits
@@ -115,8 +115,8 @@
 //! | feature | adds |
 //! |---|---|
 //! | `axum` | [`IdempotencyClaim`] as an axum extractor |
-//! | `redis` | `store::RedisStore` |
-//! | `postgres` | `store::PostgresStore`, its migrations and sweeper, `IdempotencyClaim::commit` |
+//! | `redis` | [`store::RedisStore`], and the [`redis`](mod@redis) crate it is built on |
+//! | `postgres` | [`store::PostgresStore`], its migrations and sweeper, [`IdempotencyClaim::commit`], and the [`sqlx`] crate it is built on |
 //! | `conformance` | [`conformance`], the store conformance suite |
 //! | `metrics` | the metrics of [`telemetry`], through the `metrics` facade |
 //!
@@ -130,6 +130,7 @@
 //!
 //! [tower]: https://github.com/tower-rs/tower
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_code)]
 #![warn(
     missing_docs,
@@ -177,3 +178,17 @@ pub use self::{
 };
 #[cfg(feature = "axum")]
 pub use claim::MissingClaim;
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub use fingerprint::fingerprint_input;
+
+/// The `redis` crate [`store::RedisStore`] is built on, so applications build its client with
+/// the version this release pairs with (see the README's "Versions").
+#[cfg(feature = "redis")]
+pub use redis;
+
+/// The `sqlx` crate [`store::PostgresStore`] and [`IdempotencyClaim::commit`] are built on, so
+/// applications open pools and transactions with the version this release pairs with (see the
+/// README's "Versions").
+#[cfg(feature = "postgres")]
+pub use sqlx;

@@ -431,6 +431,32 @@ async fn sweepers_in_parallel_skip_rows_others_hold() {
     schema.drop().await;
 }
 
+/// The compiled-in set must be the one sqlx resolves from `migrations/` (what `sqlx::migrate!`
+/// and `sqlx migrate run` apply): same versions, descriptions, checksums, transaction mode. A
+/// database migrated by either then never reports a changed or missing migration.
+#[tokio::test]
+async fn the_compiled_in_migrations_are_the_files_as_sqlx_reads_them() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+    let resolved = sqlx::migrate::Migrator::new(dir).await.unwrap();
+    let summary = |migrator: &sqlx::migrate::Migrator| {
+        migrator
+            .iter()
+            .map(|m| {
+                (
+                    m.version,
+                    m.description.to_string(),
+                    m.migration_type,
+                    m.checksum.to_vec(),
+                    m.no_tx,
+                    m.sql.as_str().to_owned(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(resolved.iter().count() >= 3);
+    assert_eq!(summary(&MIGRATOR), summary(&resolved));
+}
+
 #[tokio::test]
 async fn migrations_apply_as_a_plain_sqlx_migrator_and_twice_through_the_store() {
     let name = format!("test_{}", Uuid::new_v4().simple());

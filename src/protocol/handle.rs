@@ -315,9 +315,9 @@ fn failed<B, E>(
 
 /// Sends a frame to the caller, forgetting the caller once it has gone.
 async fn relay(caller: &mut Option<mpsc::Sender<LiveFrame>>, frame: LiveFrame) {
-    if let Some(sender) = caller {
-        if sender.send(frame).await.is_err() {
-            *caller = None;
-        }
+    if let Some(sender) = caller
+        && sender.send(frame).await.is_err()
+    {
+        *caller = None;
     }
 }

@@ -187,10 +187,10 @@ impl State {
     }
 
     fn remove(&mut self, record: &RecordKey) {
-        if let Some(entry) = self.records.remove(record) {
-            if let EntryState::Completed { bytes, .. } = entry.state {
-                self.bytes -= bytes;
-            }
+        if let Some(entry) = self.records.remove(record)
+            && let EntryState::Completed { bytes, .. } = entry.state
+        {
+            self.bytes -= bytes;
         }
     }
 

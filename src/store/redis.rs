@@ -325,12 +325,11 @@ impl Store for RedisStore {
                     else {
                         continue;
                     };
-                    if let Ok(info) = record_info(record, value, *pttl, now) {
-                        if info.state == RecordState::InFlight
-                            && info.age.is_some_and(|age| age >= older_than)
-                        {
-                            stuck.push(info);
-                        }
+                    if let Ok(info) = record_info(record, value, *pttl, now)
+                        && info.state == RecordState::InFlight
+                        && info.age.is_some_and(|age| age >= older_than)
+                    {
+                        stuck.push(info);
                     }
                 }
                 cursor = next;

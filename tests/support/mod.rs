@@ -24,6 +24,88 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A server program a test starts: the path in the environment variable `var` if it is set,
+/// else the first `name` on `PATH`, else one of `fallbacks`. Panics with what is missing and how
+/// to provide it.
+pub fn program(name: &str, var: &str, fallbacks: &[PathBuf], install: &str) -> PathBuf {
+    if let Some(path) = std::env::var_os(var) {
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "{var}={} does not name a file: set it to the path of `{name}`",
+            path.display()
+        );
+        return path;
+    }
+    let on_path = std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
+        .unwrap_or_default();
+    on_path
+        .iter()
+        .chain(fallbacks)
+        .map(|dir| dir.join(name))
+        .find(|path| path.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "this test starts its own `{name}`, which is not on PATH: {install}, \
+                 or set {var} to its path"
+            )
+        })
+}
+
+/// `redis-server`, for tests that start, stop or pause a Redis of their own (`REDIS_SERVER`).
+pub fn redis_server() -> PathBuf {
+    program(
+        "redis-server",
+        "REDIS_SERVER",
+        &[],
+        "install Redis (Debian: `apt install redis-server`; macOS: `brew install redis`)",
+    )
+}
+
+/// The directory of Postgres' server programs (`initdb`, `pg_ctl`), for tests that run a
+/// cluster of their own: `PG_BINDIR`, else `initdb` on `PATH`, else `pg_config --bindir`, else
+/// Debian's `/usr/lib/postgresql/<version>/bin` (newest first).
+pub fn postgres_bindir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("PG_BINDIR") {
+        let dir = PathBuf::from(dir);
+        assert!(
+            dir.join("initdb").is_file() && dir.join("pg_ctl").is_file(),
+            "PG_BINDIR={} holds no `initdb` and `pg_ctl`",
+            dir.display()
+        );
+        return dir;
+    }
+    let pg_config = Command::new("pg_config")
+        .arg("--bindir")
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+    let mut debian: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| Some(entry.ok()?.path().join("bin")))
+        .collect();
+    debian.sort_by_key(|dir| std::cmp::Reverse(postgres_major(dir)));
+    let fallbacks: Vec<PathBuf> = pg_config.into_iter().chain(debian).collect();
+    let initdb = program(
+        "initdb",
+        "PG_BINDIR",
+        &fallbacks,
+        "install the PostgreSQL server (Debian: `apt install postgresql`; macOS: `brew install \
+         postgresql`) and put its bin directory on PATH",
+    );
+    initdb.parent().unwrap().to_owned()
+}
+
+/// The major version in a `/usr/lib/postgresql/<major>/bin` path (0 when there is none).
+fn postgres_major(bin: &std::path::Path) -> u32 {
+    bin.parent()
+        .and_then(|dir| dir.file_name()?.to_str()?.parse().ok())
+        .unwrap_or(0)
+}
+
 /// The path of an example binary; `cargo test` builds the examples before the tests.
 pub fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
@@ -234,14 +316,16 @@ impl RedisServer {
     }
 
     async fn spawn(&mut self) {
-        let child = Command::new("redis-server")
+        let program = redis_server();
+        let child = Command::new(&program)
             .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
-            .args(["--save", "", "--appendonly", "no", "--dir", "/tmp"])
+            .args(["--save", "", "--appendonly", "no", "--dir"])
+            .arg(std::env::temp_dir())
             .args(&self.extra)
             .stdout(Stdio::null())
             .stdin(Stdio::null())
             .spawn()
-            .expect("redis-server (Debian package redis-server) must be installed");
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
@@ -397,23 +481,21 @@ pub struct PgCluster {
 
 impl PgCluster {
     pub async fn start() -> Self {
-        let bin = std::fs::read_dir("/usr/lib/postgresql")
-            .expect("PostgreSQL server binaries under /usr/lib/postgresql")
-            .filter_map(|entry| Some(entry.ok()?.path().join("bin")))
-            .filter(|bin| bin.join("initdb").exists())
-            .max()
-            .expect("initdb under /usr/lib/postgresql/*/bin");
+        let bin = postgres_bindir();
         let dir = std::env::temp_dir().join(format!("pg-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
         if running_as_root() {
-            // initdb refuses to run as root: the cluster belongs to the postgres user.
+            // initdb refuses to run as root: the cluster belongs to an unprivileged user.
+            let user = cluster_user();
+            let status = Command::new("chown")
+                .arg(format!("{user}:"))
+                .arg(&dir)
+                .status();
             assert!(
-                Command::new("chown")
-                    .args(["postgres:postgres"])
-                    .arg(&dir)
-                    .status()
-                    .unwrap()
-                    .success()
+                status.is_ok_and(|status| status.success()),
+                "cannot give {} to the user {user}: running as root, the test's Postgres \
+                 runs as PG_USER (default `postgres`), which must exist",
+                dir.display()
             );
         }
         let mut cluster = Self {
@@ -434,14 +516,21 @@ impl PgCluster {
         cluster
     }
 
-    fn command(&self, program: &str) -> Command {
-        let program = self.bin.join(program);
+    fn command(&self, name: &str) -> Command {
+        let path = self.bin.join(name);
         if running_as_root() {
-            let mut command = Command::new("runuser");
-            command.args(["-u", "postgres", "--"]).arg(program);
+            let runuser = program(
+                "runuser",
+                "RUNUSER",
+                &[],
+                "running as root, the test's Postgres runs as PG_USER through `runuser` \
+                 (util-linux); install it or run the tests as an unprivileged user",
+            );
+            let mut command = Command::new(runuser);
+            command.args(["-u", &cluster_user(), "--"]).arg(path);
             command
         } else {
-            Command::new(program)
+            Command::new(path)
         }
     }
 
@@ -482,6 +571,11 @@ impl PgCluster {
     pub fn url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
+}
+
+/// The unprivileged user a root test run starts its Postgres as.
+fn cluster_user() -> String {
+    std::env::var("PG_USER").unwrap_or_else(|_| "postgres".into())
 }
 
 fn running_as_root() -> bool {

@@ -5,12 +5,16 @@ mod sql;
 
 use std::{
     future::Future,
-    sync::Arc,
+    sync::{Arc, LazyLock},
     time::{Duration, Instant},
 };
 
 use bytes::Bytes;
-use sqlx::{Connection, PgConnection, PgPool, Row, migrate::Migrator, postgres::PgRow};
+use sqlx::{
+    Connection, PgConnection, PgPool, Row,
+    migrate::{Migration, MigrationType, Migrator},
+    postgres::PgRow,
+};
 use tokio::task::JoinHandle;
 
 use self::{connections::Connections, sql::*};
@@ -32,7 +36,48 @@ use crate::StoredResponse;
 ///
 /// The objects are created unqualified, in the first schema of the `search_path`; the store and
 /// the handlers' transactions find them through the same `search_path`.
-pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+///
+/// The set is built on first use from the files compiled into the crate (without sqlx's
+/// `macros` feature), with the versions, descriptions and checksums `sqlx::migrate!` and
+/// `sqlx migrate run` give the same files; it dereferences to a [`Migrator`].
+pub static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
+    Migrator::with_migrations(
+        MIGRATIONS
+            .iter()
+            .map(|&(version, description, sql)| {
+                let no_tx = sql.starts_with("-- no-transaction");
+                let sql = sqlx::SqlSafeStr::into_sql_str(sql);
+                Migration::new(
+                    version,
+                    description.into(),
+                    MigrationType::Simple,
+                    sql,
+                    no_tx,
+                )
+            })
+            .collect(),
+    )
+});
+
+/// The files of `migrations/`: version, description (the file name's rest, `_` read as a
+/// space), SQL. A test checks this list against what sqlx resolves from the directory.
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        20261129000000,
+        "idempotency keys",
+        include_str!("../../../migrations/20261129000000_idempotency_keys.sql"),
+    ),
+    (
+        20261129000001,
+        "commit with response",
+        include_str!("../../../migrations/20261129000001_commit_with_response.sql"),
+    ),
+    (
+        20261129000002,
+        "fence function",
+        include_str!("../../../migrations/20261129000002_fence_function.sql"),
+    ),
+];
 
 /// The default bound on one Postgres operation (acquiring a connection included).
 pub const DEFAULT_POSTGRES_TIMEOUT: Duration = Duration::from_secs(5);
