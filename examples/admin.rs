@@ -8,7 +8,7 @@
 //! cargo run --example admin -- inspect order-42 --scope cred:9f86d081884c7d659a2feaa0c55ad015
 //! ```
 //!
-//! It reads `DATABASE_URL` and `REDIS_URL` as `payments.rs` does (and `REDIS_PREFIX`, if the
+//! It reads `DATABASE_URL` and `REDIS_URL` (or `REDIS_CLUSTER_NODES`) as `payments.rs` does (and `REDIS_PREFIX`, if the
 //! records live under another prefix than `idempotency:`). `--scope` is the key's scope:
 //! `anonymous` by default, the scope of requests without an `Authorization` header;
 //! `cred:` and 32 hex digits for one with (see `tower_idempotency::scope::by_credentials`).
@@ -35,16 +35,20 @@ enum Stores {
 
 impl Stores {
     fn open() -> Result<Self, String> {
-        let redis = match env::var("REDIS_URL") {
-            Ok(url) => {
-                let store = RedisStore::open(&url).map_err(|e| format!("REDIS_URL: {e}"))?;
-                Some(match env::var("REDIS_PREFIX") {
-                    Ok(prefix) => store.with_prefix(prefix),
-                    Err(_) => store,
-                })
+        let redis = match (env::var("REDIS_CLUSTER_NODES"), env::var("REDIS_URL")) {
+            (Ok(nodes), _) => {
+                let seeds = nodes
+                    .split(',')
+                    .map(|node| format!("redis://{}", node.trim()));
+                Some(RedisStore::cluster(seeds).map_err(|e| format!("REDIS_CLUSTER_NODES: {e}"))?)
             }
-            Err(_) => None,
-        };
+            (_, Ok(url)) => Some(RedisStore::open(&url).map_err(|e| format!("REDIS_URL: {e}"))?),
+            _ => None,
+        }
+        .map(|store| match env::var("REDIS_PREFIX") {
+            Ok(prefix) => store.with_prefix(prefix),
+            Err(_) => store,
+        });
         let postgres = match env::var("DATABASE_URL") {
             Ok(url) => {
                 let pool = PgPoolOptions::new()

@@ -14,6 +14,7 @@
 //! |---|---|
 //! | `DATABASE_URL` | payments and idempotency keys in Postgres (migrations run at start-up) |
 //! | `REDIS_URL` | Redis as the first line (in front of Postgres when both are set) |
+//! | `REDIS_CLUSTER_NODES` | the same on a Redis Cluster: seed nodes `host:port,host:port,…` (instead of `REDIS_URL`) |
 //! | `PROVIDER_URL` | charge through an HTTP payment provider (`POST {url}/charges`) instead of the built-in mock |
 //! | `PORT` | listening port on 127.0.0.1 (3000) |
 //! | `IDEMPOTENCY_LEASE_MS` | the claim lease (30000) |
@@ -384,9 +385,17 @@ async fn main() {
         }
         Err(_) => None,
     };
-    let redis = env::var("REDIS_URL")
-        .ok()
-        .map(|url| RedisStore::open(&url).unwrap_or_else(|e| fail("REDIS_URL", e)));
+    let redis = match (env::var("REDIS_CLUSTER_NODES"), env::var("REDIS_URL")) {
+        (Ok(nodes), _) => {
+            let seeds = nodes
+                .split(',')
+                .map(|node| format!("redis://{}", node.trim()));
+            let store = RedisStore::cluster(seeds);
+            Some(store.unwrap_or_else(|e| fail("REDIS_CLUSTER_NODES", e)))
+        }
+        (_, Ok(url)) => Some(RedisStore::open(&url).unwrap_or_else(|e| fail("REDIS_URL", e))),
+        _ => None,
+    };
     let (store, ledger): (Arc<dyn Store>, _) = match (redis, postgres) {
         (Some(redis), Some(postgres)) => {
             tracing::info!("idempotency: Redis in front of Postgres");

@@ -17,8 +17,8 @@ use std::{
 use http::StatusCode;
 use sqlx::PgPool;
 use support::{
-    Answer, MockProvider, PgCluster, Proc, RedisServer, TestSchema, database_url, pool_in_schema,
-    post_json, signal_pid, url_in_schema,
+    Answer, MockProvider, PgCluster, Proc, RedisCluster, RedisServer, TestSchema, database_url,
+    pool_in_schema, post_json, signal_pid, url_in_schema,
 };
 
 /// Fleet tests load both cores with several processes each: they run one at a time.
@@ -250,8 +250,25 @@ fn env(
     lease_ms: u64,
     work_ms: u64,
 ) -> Vec<(&'static str, String)> {
-    vec![
+    env_on(
         ("REDIS_URL", redis.url()),
+        schema,
+        provider,
+        lease_ms,
+        work_ms,
+    )
+}
+
+/// Environment for instances on the Redis that `redis` (a variable and its value) names.
+fn env_on(
+    redis: (&'static str, String),
+    schema: &TestSchema,
+    provider: &MockProvider,
+    lease_ms: u64,
+    work_ms: u64,
+) -> Vec<(&'static str, String)> {
+    vec![
+        redis,
         ("DATABASE_URL", url_in_schema(&database_url(), &schema.name)),
         ("PROVIDER_URL", provider.url.clone()),
         ("IDEMPOTENCY_LEASE_MS", lease_ms.to_string()),
@@ -332,6 +349,62 @@ async fn burst_during(name: &str, fault: impl AsyncFnOnce(&mut RedisServer)) {
         Tally::get(&tally.unavailable),
         0,
         "{name}: requests failed with 503"
+    );
+    drop(instances);
+    schema.drop().await;
+}
+
+/// The production setup on a Redis Cluster (three masters, three replicas): three instances
+/// with `REDIS_CLUSTER_NODES` in front of Postgres, while a replica takes over by `CLUSTER
+/// FAILOVER`, 2000 slots in use move to another master, and a master is killed (its replica
+/// takes over after the node timeout, and whatever it had not replicated is lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_resharding() {
+    let _serial = SERIAL.lock().await;
+    let cluster = tokio::task::spawn_blocking(RedisCluster::start);
+    let cluster = Arc::new(cluster.await.unwrap());
+    let schema = TestSchema::new().await;
+    let provider = MockProvider::start(Duration::from_millis(10)).await;
+    let redis = ("REDIS_CLUSTER_NODES", cluster.seeds());
+    let instances = fleet(3, &env_on(redis, &schema, &provider, 2000, 50)).await;
+    let urls = urls(&instances);
+    let tally = Arc::new(Tally::default());
+    let faults = {
+        let cluster = Arc::clone(&cluster);
+        let started = Instant::now();
+        tokio::task::spawn_blocking(move || {
+            std::thread::sleep(Duration::from_millis(700));
+            cluster.failover();
+            let failed_over = started.elapsed();
+            cluster.reshard(2000);
+            let resharded = started.elapsed();
+            cluster.kill_a_master();
+            [failed_over, resharded, started.elapsed()]
+        })
+    };
+    let started = Instant::now();
+    let answers = burst(
+        &urls,
+        "cluster",
+        120,
+        3,
+        Duration::from_millis(9000),
+        &tally,
+    )
+    .await;
+    let burst_took = started.elapsed();
+    let [failed_over, resharded, replaced] = faults.await.unwrap();
+    let figures = exactly_once(&schema.pool, &provider, &answers).await;
+    println!(
+        "redis cluster: 3 instances; failover done at {failed_over:.1?}, 2000 slots resharded by \
+         {resharded:.1?}, a killed master replaced by {replaced:.1?}, deliveries over \
+         {burst_took:.1?}; {figures}; {tally}"
+    );
+    assert!(replaced < burst_took, "the faults outlasted the deliveries");
+    assert_eq!(
+        Tally::get(&tally.unavailable),
+        0,
+        "requests failed with 503: Postgres should have carried them"
     );
     drop(instances);
     schema.drop().await;

@@ -1,14 +1,16 @@
 //! The Redis store: every state change is one ownership-checked Lua script.
 
 use std::{
-    future::Future,
     sync::{Arc, LazyLock},
     time::Duration,
 };
 
 use ::redis::{
-    Client, RedisError, Script, Value,
-    aio::{ConnectionManager, ConnectionManagerConfig},
+    Client, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, Script, Value,
+    aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
+    cluster::{ClusterClient, ClusterClientBuilder},
+    cluster_async::ClusterConnection,
+    cluster_routing::{RoutingInfo, SingleNodeRoutingInfo},
 };
 use bytes::Bytes;
 
@@ -31,6 +33,15 @@ use crate::StoredResponse;
 /// timeout (250 ms by default), so a slow or stalled Redis surfaces as a [`StoreError::Timeout`]
 /// instead of a hung request.
 ///
+/// # Redis Cluster
+///
+/// [`RedisStore::cluster`] runs the same scripts on a Redis Cluster (or a managed one that
+/// speaks its protocol): each record is one key, so each call goes to the master of its slot, and
+/// follows `MOVED` and `ASK` while slots migrate. A failover is a few calls that fail or time out
+/// (with [`TieredStore`](super::TieredStore), Postgres answers them); a coordinated one
+/// (`CLUSTER FAILOVER`) loses nothing, a master that dies may lose the claims it had not yet
+/// replicated, as a single server that dies does.
+///
 /// # Alone, Redis is a best effort
 ///
 /// Redis may lose records: `FLUSHALL`, eviction under `maxmemory`, a restart without
@@ -45,10 +56,126 @@ use crate::StoredResponse;
 /// Requires Redis 6.2 or newer (tested on 7.0).
 #[derive(Clone)]
 pub struct RedisStore {
-    client: Client,
-    connection: ConnectionManager,
+    backend: Backend,
     prefix: Arc<str>,
     timeout: Duration,
+}
+
+/// Where the store's commands go.
+#[derive(Clone)]
+enum Backend {
+    Server {
+        client: Client,
+        manager: ConnectionManager,
+    },
+    Cluster(Arc<Cluster>),
+}
+
+/// A Redis Cluster, connected on first use (and again after a failed first connection).
+struct Cluster {
+    client: ClusterClient,
+    seeds: Vec<::redis::ConnectionInfo>,
+    connection: tokio::sync::OnceCell<ClusterConnection>,
+}
+
+impl Cluster {
+    fn new(seeds: Vec<::redis::ConnectionInfo>, timeout: Duration) -> Result<Self, RedisError> {
+        let client = ClusterClientBuilder::new(seeds.clone())
+            .connection_timeout(timeout.max(Duration::from_secs(1)))
+            .response_timeout(timeout)
+            .build()?;
+        Ok(Self {
+            client,
+            seeds,
+            connection: tokio::sync::OnceCell::new(),
+        })
+    }
+}
+
+/// A connection to the one server or to the cluster.
+#[derive(Clone)]
+enum Connection {
+    Server(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Server(connection) => connection.req_packed_command(cmd),
+            Self::Cluster(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Server(connection) => connection.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(connection) => connection.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Server(connection) => connection.get_db(),
+            Self::Cluster(connection) => connection.get_db(),
+        }
+    }
+}
+
+/// A master of the cluster, by address (`None`: the one server).
+type Node = Option<(String, u16)>;
+
+impl Connection {
+    /// The masters whose keyspaces together hold every record.
+    async fn masters(&mut self) -> Result<Vec<Node>, RedisError> {
+        let Self::Cluster(connection) = self else {
+            return Ok(vec![None]);
+        };
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+        let slots = connection
+            .route_command(::redis::cmd("CLUSTER").arg("SLOTS").clone(), routing)
+            .await?;
+        // Each entry: start slot, end slot, then the master as [host, port, id, …], replicas.
+        let slots: Vec<Vec<Value>> = ::redis::from_redis_value(slots.extract_error()?)?;
+        let mut masters = Vec::new();
+        for range in slots {
+            let or_nil = |value: Option<Value>| value.unwrap_or(Value::Nil);
+            let master: Vec<Value> = ::redis::from_redis_value(or_nil(range.into_iter().nth(2)))?;
+            let mut master = master.into_iter();
+            let host: String = ::redis::from_redis_value(or_nil(master.next()))?;
+            let port: u16 = ::redis::from_redis_value(or_nil(master.next()))?;
+            masters.push(Some((host, port)));
+        }
+        masters.sort();
+        masters.dedup();
+        Ok(masters)
+    }
+
+    /// Sends `pipeline` to `node` (on a cluster, to that master whatever the keys' slots).
+    async fn pipeline_on(
+        &mut self,
+        node: &Node,
+        pipeline: &Pipeline,
+    ) -> Result<Vec<Value>, RedisError> {
+        match (self, node) {
+            (Self::Cluster(connection), Some((host, port))) => {
+                let route = SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                };
+                let count = pipeline.len();
+                connection
+                    .route_pipeline(pipeline.clone(), 0, count, route)
+                    .await
+            }
+            (connection, _) => pipeline.query_async(connection).await,
+        }
+    }
 }
 
 /// The default bound on one Redis call.
@@ -81,18 +208,37 @@ impl RedisStore {
     /// The connection is made on first use, so start-up does not wait for (or fail on) Redis.
     /// Must be called within a Tokio runtime.
     pub fn new(client: Client) -> Result<Self, RedisError> {
-        let connection = Self::manager(&client, DEFAULT_REDIS_TIMEOUT)?;
-        Ok(Self {
-            client,
-            connection,
-            prefix: Arc::from("idempotency:"),
-            timeout: DEFAULT_REDIS_TIMEOUT,
-        })
+        let manager = Self::manager(&client, DEFAULT_REDIS_TIMEOUT)?;
+        Ok(Self::on(Backend::Server { client, manager }))
     }
 
     /// A store on the server at `url` (`redis://host:port/db`). See [`new`](Self::new).
     pub fn open(url: &str) -> Result<Self, RedisError> {
         Self::new(Client::open(url)?)
+    }
+
+    /// A store on a Redis Cluster, found from any of its nodes (`redis://host:port`; the others
+    /// are discovered), under the prefix `idempotency:`.
+    ///
+    /// As with [`new`](Self::new), the connection is made on first use, and made again by the
+    /// next call if it failed. Each call goes to the master of its key's slot.
+    pub fn cluster<T: IntoConnectionInfo>(
+        nodes: impl IntoIterator<Item = T>,
+    ) -> Result<Self, RedisError> {
+        let seeds = nodes
+            .into_iter()
+            .map(IntoConnectionInfo::into_connection_info)
+            .collect::<Result<Vec<_>, _>>()?;
+        let cluster = Cluster::new(seeds, DEFAULT_REDIS_TIMEOUT)?;
+        Ok(Self::on(Backend::Cluster(Arc::new(cluster))))
+    }
+
+    fn on(backend: Backend) -> Self {
+        Self {
+            backend,
+            prefix: Arc::from("idempotency:"),
+            timeout: DEFAULT_REDIS_TIMEOUT,
+        }
     }
 
     /// The prefix of every key this store writes (`idempotency:` by default): separates
@@ -105,7 +251,15 @@ impl RedisStore {
     /// The bound on each call (connecting included); past it the call fails with
     /// [`StoreError::Timeout`].
     pub fn with_timeout(mut self, timeout: Duration) -> Result<Self, RedisError> {
-        self.connection = Self::manager(&self.client, timeout)?;
+        self.backend = match self.backend {
+            Backend::Server { client, .. } => Backend::Server {
+                manager: Self::manager(&client, timeout)?,
+                client,
+            },
+            Backend::Cluster(cluster) => {
+                Backend::Cluster(Arc::new(Cluster::new(cluster.seeds.clone(), timeout)?))
+            }
+        };
         self.timeout = timeout;
         Ok(self)
     }
@@ -116,6 +270,20 @@ impl RedisStore {
             .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
             .set_max_delay(Duration::from_secs(2));
         ConnectionManager::new_lazy_with_config(client.clone(), config)
+    }
+
+    /// A connection: the one server's manager, or the cluster's connection (made on first use).
+    async fn connection(&self) -> Result<Connection, RedisError> {
+        match &self.backend {
+            Backend::Server { manager, .. } => Ok(Connection::Server(manager.clone())),
+            Backend::Cluster(cluster) => {
+                let connection = cluster
+                    .connection
+                    .get_or_try_init(|| cluster.client.get_async_connection())
+                    .await?;
+                Ok(Connection::Cluster(connection.clone()))
+            }
+        }
     }
 
     /// The record a Redis key of this store's names, if it is one.
@@ -143,12 +311,16 @@ impl RedisStore {
         )
     }
 
-    /// Runs one script invocation under the timeout.
+    /// Runs `invoke` on a connection, connecting included, under the timeout.
     async fn call<T>(
         &self,
-        invoke: impl Future<Output = Result<T, RedisError>>,
+        invoke: impl AsyncFnOnce(&mut Connection) -> Result<T, RedisError>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.timeout, invoke).await {
+        let work = async {
+            let mut connection = self.connection().await?;
+            invoke(&mut connection).await
+        };
+        match tokio::time::timeout(self.timeout, work).await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) if error.is_timeout() => Err(StoreError::Timeout {
                 store: STORE,
@@ -177,8 +349,9 @@ impl RedisStore {
         for arg in args {
             invocation.arg(*arg);
         }
-        let mut connection = self.connection.clone();
-        let applied: i64 = self.call(invocation.invoke_async(&mut connection)).await?;
+        let applied: i64 = self
+            .call(async |connection| invocation.invoke_async(connection).await)
+            .await?;
         Ok(if applied == 1 {
             Ownership::Held
         } else {
@@ -200,8 +373,9 @@ impl Store for RedisStore {
             head.extend_from_slice(request.owner().as_bytes());
             let mut invocation = CLAIM.key(self.record_key(request.record()));
             invocation.arg(head).arg(millis(request.lease()));
-            let mut connection = self.connection.clone();
-            let reply: Value = self.call(invocation.invoke_async(&mut connection)).await?;
+            let reply: Value = self
+                .call(async |connection| invocation.invoke_async(connection).await)
+                .await?;
             parse_claim(reply, request).map_err(|reason| StoreError::Corrupt {
                 store: STORE,
                 record: request.record().clone(),
@@ -252,9 +426,10 @@ impl Store for RedisStore {
             let key = self.record_key(record);
             let mut pipe = ::redis::pipe();
             pipe.cmd("GET").arg(&key).cmd("PTTL").arg(&key).cmd("TIME");
-            let mut connection = self.connection.clone();
-            let (value, pttl, now): (Option<Vec<u8>>, i64, (u64, u64)) =
-                self.call(pipe.query_async(&mut connection)).await?;
+            // One slot and TIME: on a cluster, all three go to the record's master.
+            let (value, pttl, now): (Option<Vec<u8>>, i64, (u64, u64)) = self
+                .call(async |connection| pipe.query_async(connection).await)
+                .await?;
             let now = u128::from(now.0) * 1_000_000 + u128::from(now.1);
             value
                 .map(|value| record_info(record.clone(), &value, pttl, now))
@@ -269,79 +444,98 @@ impl Store for RedisStore {
 
     fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let mut connection = self.connection.clone();
+            let mut del = ::redis::cmd("DEL");
+            del.arg(self.record_key(record));
             let deleted: i64 = self
-                .call(
-                    ::redis::cmd("DEL")
-                        .arg(self.record_key(record))
-                        .query_async(&mut connection),
-                )
+                .call(async |connection| del.query_async(connection).await)
                 .await?;
             Ok(deleted > 0)
         })
     }
 
     /// Scans the keys under the store's prefix: an operator's tool, which costs Redis a pass over
-    /// its keyspace (in batches of 1000, never blocking it).
+    /// its keyspace (in batches of 1000, never blocking it); on a cluster, every master's.
     fn stuck<'a>(
         &'a self,
         older_than: Duration,
         limit: usize,
     ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
         Box::pin(async move {
-            let mut connection = self.connection.clone();
-            let pattern = format!("{}*", self.prefix);
-            let mut cursor = 0u64;
+            let masters = self
+                .call(async |connection| connection.masters().await)
+                .await?;
             let mut stuck = Vec::new();
-            loop {
-                let (next, keys): (u64, Vec<Vec<u8>>) = self
-                    .call(
-                        ::redis::cmd("SCAN")
-                            .arg(cursor)
-                            .arg("MATCH")
-                            .arg(&pattern)
-                            .arg("COUNT")
-                            .arg(1000)
-                            .query_async(&mut connection),
-                    )
-                    .await?;
-                let mut pipe = ::redis::pipe();
-                for key in &keys {
-                    pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
-                }
-                pipe.cmd("TIME");
-                let mut replies: Vec<Value> = self.call(pipe.query_async(&mut connection)).await?;
-                let now: (u64, u64) = ::redis::from_redis_value(
-                    replies.pop().unwrap_or(Value::Nil),
-                )
-                .map_err(|error| StoreError::Backend {
-                    store: STORE,
-                    source: error.into(),
-                })?;
-                let now = u128::from(now.0) * 1_000_000 + u128::from(now.1);
-                for (key, pair) in keys.iter().zip(replies.chunks(2)) {
-                    let (Some(record), [Value::BulkString(value), Value::Int(pttl)]) =
-                        (self.parse_record_key(key), pair)
-                    else {
-                        continue;
-                    };
-                    if let Ok(info) = record_info(record, value, *pttl, now)
-                        && info.state == RecordState::InFlight
-                        && info.age.is_some_and(|age| age >= older_than)
-                    {
-                        stuck.push(info);
-                    }
-                }
-                cursor = next;
-                if cursor == 0 {
-                    break;
-                }
+            for master in &masters {
+                self.stuck_on(master, older_than, &mut stuck).await?;
             }
             stuck.sort_by_key(|info| std::cmp::Reverse(info.age));
             stuck.truncate(limit);
             Ok(stuck)
         })
     }
+}
+
+impl RedisStore {
+    /// The stuck records of one master (or of the one server), each call under the timeout.
+    async fn stuck_on(
+        &self,
+        node: &Node,
+        older_than: Duration,
+        stuck: &mut Vec<RecordInfo>,
+    ) -> Result<(), StoreError> {
+        let pattern = format!("{}*", self.prefix);
+        let mut cursor = 0u64;
+        loop {
+            let mut scan = ::redis::pipe();
+            scan.cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000);
+            let reply = self
+                .call(async |connection| connection.pipeline_on(node, &scan).await)
+                .await?;
+            let ((next, keys),): ((u64, Vec<Vec<u8>>),) = from_value(Value::Array(reply))?;
+            // Keys from one master's SCAN and its clock (a key migrating away answers with an
+            // error in its place, and is skipped).
+            let mut pipe = ::redis::pipe();
+            for key in &keys {
+                pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
+            }
+            pipe.cmd("TIME");
+            let mut replies = self
+                .call(async |connection| connection.pipeline_on(node, &pipe).await)
+                .await?;
+            let now: (u64, u64) = from_value(replies.pop().unwrap_or(Value::Nil))?;
+            let now = u128::from(now.0) * 1_000_000 + u128::from(now.1);
+            for (key, pair) in keys.iter().zip(replies.chunks(2)) {
+                let (Some(record), [Value::BulkString(value), Value::Int(pttl)]) =
+                    (self.parse_record_key(key), pair)
+                else {
+                    continue;
+                };
+                if let Ok(info) = record_info(record, value, *pttl, now)
+                    && info.state == RecordState::InFlight
+                    && info.age.is_some_and(|age| age >= older_than)
+                {
+                    stuck.push(info);
+                }
+            }
+            cursor = next;
+            if cursor == 0 {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// A reply read as `T`, or the store's error.
+fn from_value<T: ::redis::FromRedisValue>(value: Value) -> Result<T, StoreError> {
+    ::redis::from_redis_value(value).map_err(|error| StoreError::Backend {
+        store: STORE,
+        source: error.into(),
+    })
 }
 
 /// What a record says, for an operator: `now` and the fence (the claim's time) are the Redis
@@ -384,9 +578,17 @@ fn record_info(
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisStore")
-            .field("server", &self.client.get_connection_info().addr())
-            .field("prefix", &self.prefix)
+        let mut f = f.debug_struct("RedisStore");
+        match &self.backend {
+            Backend::Server { client, .. } => {
+                f.field("server", client.get_connection_info().addr())
+            }
+            Backend::Cluster(cluster) => f.field(
+                "cluster",
+                &cluster.seeds.iter().map(|s| s.addr()).collect::<Vec<_>>(),
+            ),
+        };
+        f.field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }

@@ -1,0 +1,189 @@
+//! The Redis store on a real local Redis Cluster: three masters and three replicas, started by
+//! the tests (`redis-server --cluster-enabled yes`, `redis-cli --cluster create`). The store
+//! suites share one cluster per run, each case under a prefix of its own; the tests that fail
+//! over or reshard have a cluster of their own.
+
+mod support;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use axum::{Router, body::Body, routing::post};
+use http::{Request, StatusCode};
+use support::{RedisCluster, claim_request, database_url, pool_in_schema};
+use tower::ServiceExt;
+use tower_idempotency::{
+    IdempotencyLayer,
+    store::{ClaimOutcome, PostgresStore, RedisStore, Store, TieredStore},
+};
+use uuid::Uuid;
+
+fn store_on(cluster: &RedisCluster) -> RedisStore {
+    RedisStore::cluster(cluster.urls())
+        .unwrap()
+        .with_prefix(format!("test:{}:", Uuid::new_v4()))
+}
+
+/// The store on the shared cluster (started by the first case that needs it).
+async fn shared_store() -> RedisStore {
+    let cluster = tokio::task::spawn_blocking(RedisCluster::shared)
+        .await
+        .unwrap();
+    store_on(cluster)
+}
+
+mod redis_cluster {
+    tower_idempotency::store_conformance_tests!(super::shared_store());
+}
+
+mod redis_cluster_in_front_of_postgres {
+    use super::*;
+
+    tower_idempotency::store_conformance_tests!(async {
+        let postgres = PostgresStore::new(
+            pool_in_schema(&database_url(), "tower_idempotency_conformance").await,
+        );
+        TieredStore::new(shared_store().await, postgres)
+    });
+}
+
+/// Records land on every master, and the admin operations find them wherever they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_spread_over_the_masters_and_stuck_lists_them_all() {
+    let cluster = tokio::task::spawn_blocking(RedisCluster::shared)
+        .await
+        .unwrap();
+    let prefix = format!("test:{}:", Uuid::new_v4());
+    let store = RedisStore::cluster(cluster.urls())
+        .unwrap()
+        .with_prefix(&prefix);
+    for k in 0..30 {
+        let request = claim_request(&format!("k-{k}"), Duration::from_secs(30));
+        assert!(matches!(
+            store.claim(&request).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+    }
+    let per_master: Vec<usize> = cluster
+        .masters()
+        .into_iter()
+        .map(|port| {
+            let keys = cluster.cli(port, &["--scan", "--pattern", &format!("{prefix}*")]);
+            keys.lines().count()
+        })
+        .collect();
+    assert_eq!(per_master.iter().sum::<usize>(), 30, "{per_master:?}");
+    assert!(
+        per_master.iter().filter(|&&n| n > 0).count() >= 2,
+        "30 keys on one master: {per_master:?}"
+    );
+    let stuck = store.stuck(Duration::ZERO, 100).await.unwrap();
+    assert_eq!(stuck.len(), 30);
+    let some = stuck[0].record.clone();
+    assert!(store.inspect(&some).await.unwrap().is_some());
+    assert!(store.forget(&some).await.unwrap());
+    assert!(store.inspect(&some).await.unwrap().is_none());
+}
+
+/// Counts the handler's runs per key.
+fn counting_app(store: RedisStore, runs: &Arc<Mutex<HashMap<String, usize>>>) -> Router {
+    let runs = Arc::clone(runs);
+    Router::new()
+        .route(
+            "/orders",
+            post(move |request: Request<Body>| async move {
+                let key = request.headers()["idempotency-key"]
+                    .to_str()
+                    .unwrap()
+                    .to_owned();
+                *runs.lock().unwrap().entry(key).or_default() += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                (StatusCode::CREATED, "ordered")
+            }),
+        )
+        .layer(IdempotencyLayer::new(store).with_lease(Duration::from_secs(5)))
+}
+
+/// Sends one key until it gets its 201 (first or replayed), retrying 409 and 503 as a client
+/// honouring `Retry-After` would, faster.
+async fn deliver(app: &Router, key: &str) -> (usize, usize) {
+    let started = Instant::now();
+    let mut refused = 0;
+    loop {
+        let request = Request::post("/orders")
+            .header("idempotency-key", key)
+            .body(Body::empty())
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        match status {
+            StatusCode::CREATED => return (1, refused),
+            StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE => refused += 1,
+            other => panic!("{key}: unexpected {other}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{key} unanswered after 60 s: last {status} {}",
+            String::from_utf8_lossy(&body)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Redis alone, on a cluster of the test's own: a coordinated failover and a resharding of the
+/// slots in use while duplicates of every key arrive. Neither loses a write, so nothing runs
+/// twice even without Postgres behind (a master that dies is another matter: see
+/// `fleet::a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_resharding`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_and_a_resharding_mid_run_run_nothing_twice() {
+    let cluster = Arc::new(
+        tokio::task::spawn_blocking(RedisCluster::start)
+            .await
+            .unwrap(),
+    );
+    let runs = Arc::new(Mutex::new(HashMap::new()));
+    let app = counting_app(store_on(&cluster), &runs);
+
+    let faults = {
+        let cluster = Arc::clone(&cluster);
+        tokio::task::spawn_blocking(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            cluster.failover();
+            cluster.reshard(3000);
+            cluster.failover();
+        })
+    };
+    let mut tasks = Vec::new();
+    let started = Instant::now();
+    let mut k = 0;
+    while !faults.is_finished() || k < 100 {
+        for _copy in 0..3 {
+            let (app, key) = (app.clone(), format!("order-{k}"));
+            tasks.push(tokio::spawn(async move { deliver(&app, &key).await }));
+        }
+        k += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    faults.await.unwrap();
+    let mut refused = 0;
+    for task in tasks {
+        refused += task.await.unwrap().1;
+    }
+    let runs = runs.lock().unwrap();
+    let executions: usize = runs.values().sum();
+    println!(
+        "redis cluster alone: {} deliveries of {k} keys over {:?} with 2 failovers and 3000 slots \
+         resharded; executions {executions}, duplicates {}, 409/503 answers retried {refused}",
+        3 * k,
+        started.elapsed(),
+        executions - runs.len(),
+    );
+    assert_eq!(runs.len(), k, "every key ran");
+    assert!(runs.values().all(|&n| n == 1), "a key ran twice");
+}
