@@ -44,16 +44,20 @@ use redis::{AsyncCommands, aio::ConnectionManager};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tower_idempotency::{
     Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse,
-    store::{ClaimOutcome, ClaimRequest, PostgresStore, RecordKey, RedisStore, Store, TieredStore},
+    store::{
+        ClaimOutcome, ClaimRequest, PARTITION_BY_HASH, PostgresStore, RecordKey, RedisStore, Store,
+        TieredStore,
+    },
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 8] = [
+const SETUPS: [&str; 9] = [
     "bare",
     "memory",
     "naive",
     "redis",
     "postgres",
+    "postgres-partitioned",
     "tiered",
     "memory-1mib",
     "memory-1mib-unbounded",
@@ -151,6 +155,9 @@ fn serve(setup: &str, port: u16, env: &str) {
                 "memory-1mib-unbounded" => big(MemoryStore::new().with_max_bytes(usize::MAX)),
                 "redis" => layered(Arc::new(redis_store(&redis_url, &prefix))),
                 "postgres" => layered(Arc::new(postgres_store(&database_url, &schema).await)),
+                "postgres-partitioned" => layered(Arc::new(
+                    postgres_store(&database_url, &partitioned(&schema)).await,
+                )),
                 "tiered" => layered(Arc::new(TieredStore::new(
                     redis_store(&redis_url, &prefix),
                     postgres_store(&database_url, &schema).await,
@@ -179,6 +186,11 @@ fn serve(setup: &str, port: u16, env: &str) {
 
 fn redis_store(url: &str, prefix: &str) -> RedisStore {
     RedisStore::open(url).unwrap().with_prefix(prefix)
+}
+
+/// The schema beside `schema` whose `idempotency_keys` is hash-partitioned.
+fn partitioned(schema: &str) -> String {
+    format!("{schema}_partitioned")
 }
 
 async fn postgres_store(url: &str, schema: &str) -> PostgresStore {
@@ -247,6 +259,8 @@ struct Run {
     p99_us: u64,
     cpu_us_per_req: f64,
     redis_us_per_req: Option<f64>,
+    /// CPU of every `postgres` process on this machine per request (the server is local).
+    postgres_us_per_req: Option<f64>,
 }
 
 async fn drive(options: Options) {
@@ -259,8 +273,21 @@ async fn drive(options: Options) {
         .execute(&admin)
         .await
         .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        r#"CREATE SCHEMA "{}""#,
+        partitioned(&schema)
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
     let store = postgres_store(&database_url, &schema).await;
     store.migrate().await.unwrap();
+    let store = postgres_store(&database_url, &partitioned(&schema)).await;
+    store.migrate().await.unwrap();
+    sqlx::raw_sql(PARTITION_BY_HASH)
+        .execute(store.pool())
+        .await
+        .unwrap();
     let env = format!("{}|{database_url}|{schema}", redis.url());
     let seconds = Duration::from_secs(options.seconds);
 
@@ -296,14 +323,34 @@ async fn drive(options: Options) {
         }
     }
     print_report(&options, &runs, &floors);
+    for schema in [schema.clone(), partitioned(&schema)] {
+        let (rows, bytes): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            r#"SELECT (SELECT count(*) FROM "{schema}".idempotency_keys),
+                      coalesce((SELECT sum(pg_total_relation_size(relid))
+                                FROM pg_partition_tree('"{schema}".idempotency_keys')
+                                WHERE isleaf),
+                               pg_total_relation_size('"{schema}".idempotency_keys'))::int8"#
+        )))
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        if rows > 0 {
+            println!(
+                "- Postgres bytes per key in {schema} (table, TOAST and indexes): {} over {rows} rows",
+                bytes / rows
+            );
+        }
+    }
 
     drop(redis);
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        r#"DROP SCHEMA "{schema}" CASCADE"#
-    )))
-    .execute(&admin)
-    .await
-    .unwrap();
+    for schema in [schema.clone(), partitioned(&schema)] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            r#"DROP SCHEMA "{schema}" CASCADE"#
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+    }
 }
 
 async fn measure(
@@ -354,6 +401,7 @@ async fn measure(
 
     let cpu_before = process_cpu(server.id());
     let redis_before = process_cpu(redis.child.id());
+    let postgres_before = postgres_cpu();
     let started = Instant::now();
     let mut latencies = match workload {
         "fresh" => load(address, connections, seconds, &run_id, "fresh").await,
@@ -363,6 +411,7 @@ async fn measure(
     let cpu = process_cpu(server.id()) - cpu_before;
     let peak_rss_mib = peak_rss_kib(server.id()) as f64 / 1024.0;
     let redis_cpu = process_cpu(redis.child.id()) - redis_before;
+    let postgres_cpu = postgres_cpu().saturating_sub(postgres_before);
     let _ = server.kill();
     let _ = server.wait();
     let redis_bytes_per_key = match (setup, workload) {
@@ -383,6 +432,8 @@ async fn measure(
         cpu_us_per_req: cpu.as_secs_f64() * 1e6 / requests as f64,
         redis_us_per_req: matches!(setup, "redis" | "naive" | "tiered")
             .then(|| redis_cpu.as_secs_f64() * 1e6 / requests as f64),
+        postgres_us_per_req: (setup.starts_with("postgres") || setup == "tiered")
+            .then(|| postgres_cpu.as_secs_f64() * 1e6 / requests as f64),
     }
 }
 
@@ -477,11 +528,30 @@ fn payment_body() -> Vec<u8> {
 
 /// The CPU time a process has used so far (all its threads).
 fn process_cpu(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    try_process_cpu(pid).unwrap_or_else(|| panic!("no process {pid}"))
+}
+
+/// The CPU time a process has used so far, if it is still there.
+fn try_process_cpu(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name, which is in parentheses and may hold spaces.
-    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
-    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-    Duration::from_secs_f64(ticks as f64 / clock_ticks() as f64)
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 2..].split(' ').collect();
+    let ticks: u64 = fields[11].parse::<u64>().ok()? + fields[12].parse::<u64>().ok()?;
+    Some(Duration::from_secs_f64(ticks as f64 / clock_ticks() as f64))
+}
+
+/// The CPU time of every `postgres` process so far (backends come and go: a process that
+/// ends between two readings takes its time with it, so measure with a pool that stays up).
+fn postgres_cpu() -> Duration {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "postgres")
+        })
+        .filter_map(try_process_cpu)
+        .sum()
 }
 
 /// A process's peak resident set (`VmHWM`), in KiB.
@@ -531,6 +601,13 @@ async fn measure_floors(
         let store = postgres_store(database_url, schema).await;
         floors.push((
             "postgres",
+            store_floor(Arc::new(store), tasks, seconds).await,
+        ));
+    }
+    if options.only.iter().any(|s| s == "postgres-partitioned") {
+        let store = postgres_store(database_url, &partitioned(schema)).await;
+        floors.push((
+            "postgres-partitioned",
             store_floor(Arc::new(store), tasks, seconds).await,
         ));
     }
@@ -754,9 +831,9 @@ fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&str, Vec<f64>
         options.connections, options.seconds, options.rounds
     );
     println!(
-        "| setup | workload | req/s | p50 µs | p99 µs | server CPU µs/req | Redis CPU µs/req | server peak RSS MiB | × bare |"
+        "| setup | workload | req/s | p50 µs | p99 µs | server CPU µs/req | Redis CPU µs/req | Postgres CPU µs/req | server peak RSS MiB | × bare |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for setup in SETUPS {
         for workload in ["fresh", "replay"] {
             let Some(list) = get(setup, workload) else {
@@ -771,8 +848,13 @@ fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&str, Vec<f64>
             } else {
                 "–".into()
             };
+            let postgres = if list[0].postgres_us_per_req.is_some() {
+                format!("{:.1}", m(|r| r.postgres_us_per_req.unwrap_or_default()))
+            } else {
+                "–".into()
+            };
             println!(
-                "| {setup} | {workload} | {:.0} | {:.0} | {:.0} | {:.1} | {redis} | {:.0} | {vs_bare} |",
+                "| {setup} | {workload} | {:.0} | {:.0} | {:.0} | {:.1} | {redis} | {postgres} | {:.0} | {vs_bare} |",
                 m(|r| r.rps),
                 m(|r| r.p50_us as f64),
                 m(|r| r.p99_us as f64),
@@ -814,7 +896,7 @@ fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&str, Vec<f64>
     if let (Some(x), Some(y)) = (get("redis", "replay"), get("naive", "replay")) {
         println!("- replays, Redis store vs naive guard: {:.2}×", ratio(x, y));
     }
-    for setup in ["postgres", "tiered", "redis"] {
+    for setup in ["postgres", "postgres-partitioned", "tiered", "redis"] {
         if let (Some(list), Some(floor)) = (get(setup, "fresh"), floors.get(setup)) {
             let per_round: Vec<f64> = list.iter().zip(floor).map(|(r, f)| r.rps / f).collect();
             println!(
@@ -822,6 +904,22 @@ fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&str, Vec<f64>
                 median(per_round)
             );
         }
+    }
+    if let (Some(x), Some(y)) = (
+        get("postgres-partitioned", "fresh"),
+        get("postgres", "fresh"),
+    ) {
+        println!(
+            "- fresh keys, partitioned vs plain idempotency_keys: {:.2}×",
+            ratio(x, y)
+        );
+    }
+    if let (Some(x), Some(y)) = (floors.get("postgres-partitioned"), floors.get("postgres")) {
+        let per_round = x.iter().zip(y).map(|(x, y)| x / y).collect();
+        println!(
+            "- claim + complete floor, partitioned vs plain: {:.2}×",
+            median(per_round)
+        );
     }
     if let Some(cpu) = cpu("postgres") {
         println!("- application CPU per fresh request on Postgres: {cpu:.1} µs");

@@ -31,8 +31,8 @@ use tower::ServiceExt;
 use tower_idempotency::{
     Fingerprint, IdempotencyClaim, IdempotencyKey, IdempotencyLayer, StoredResponse, problem,
     store::{
-        ClaimOutcome, ClaimRequest, FenceError, Lease, MIGRATOR, Ownership, PostgresStore,
-        RecordKey, Store,
+        ClaimOutcome, ClaimRequest, FenceError, Lease, MIGRATOR, Ownership, PARTITION_BY_HASH,
+        PostgresStore, RecordKey, Store,
     },
 };
 use uuid::Uuid;
@@ -44,6 +44,37 @@ tower_idempotency::store_conformance_tests!(async {
     store.sweep().await.unwrap();
     store
 });
+
+/// Applies the optional partitioning to the schema `pool` works in (once: concurrent callers
+/// wait on an advisory lock, and a partitioned table is left alone).
+async fn partition(pool: &PgPool) {
+    let mut connection = pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(727275)")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    sqlx::raw_sql(PARTITION_BY_HASH)
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_unlock(727275)")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+}
+
+/// The conformance suite on a hash-partitioned `idempotency_keys`.
+mod partitioned {
+    use super::*;
+
+    tower_idempotency::store_conformance_tests!(async {
+        let pool = pool_in_schema(&database_url(), "tower_idempotency_partitioned").await;
+        partition(&pool).await;
+        let store = PostgresStore::new(pool);
+        store.sweep().await.unwrap();
+        store
+    });
+}
 
 fn response(status: StatusCode) -> StoredResponse {
     StoredResponse::new(status, HeaderMap::new(), Some("body".into()), None)
@@ -353,6 +384,66 @@ async fn an_orphaned_key_answers_outcome_unknown_through_the_layer() {
         serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap();
     assert_eq!(body["type"], problem::OUTCOME_UNKNOWN);
     assert_eq!(runs.load(SeqCst), 0);
+    schema.drop().await;
+}
+
+/// On the partitioned table: rows spread over the partitions, the fence commits and stores its
+/// response, the sweeper deletes expired rows in every partition, the admin operations find
+/// keys; and the table is partitioned (the test would pass on a plain one otherwise).
+#[tokio::test]
+async fn the_fence_the_sweeper_and_the_admin_work_on_the_partitioned_table() {
+    let schema = TestSchema::new().await;
+    partition(&schema.pool).await;
+    partition(&schema.pool).await;
+    let partitioned: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = 'idempotency_keys'::regclass)",
+    )
+    .fetch_one(&schema.pool)
+    .await
+    .unwrap();
+    assert!(partitioned);
+    let store = PostgresStore::new(schema.pool.clone());
+    let short = Duration::from_millis(100);
+    for k in 0..64 {
+        let request = claim_request(&format!("k-{k}"), LONG);
+        let lease = acquire(&store, &request).await;
+        if k % 2 == 0 {
+            let mut tx = schema.pool.begin().await.unwrap();
+            let answer = http::Response::builder()
+                .status(StatusCode::CREATED)
+                .body(bytes::Bytes::from_static(b"{}"))
+                .unwrap();
+            claim_for(lease.clone(), LONG)
+                .commit_with_response(&mut tx, &answer)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+        }
+        store
+            .complete(&lease, &response(StatusCode::CREATED), short)
+            .await
+            .unwrap();
+    }
+    acquire(&store, &claim_request("live", LONG)).await;
+    let partitions: i64 =
+        sqlx::query_scalar("SELECT count(DISTINCT tableoid) FROM idempotency_keys")
+            .fetch_one(&schema.pool)
+            .await
+            .unwrap();
+    assert!(partitions >= 8, "65 keys in {partitions} partitions");
+    let live = claim_request("live", LONG).record().clone();
+    let info = store.inspect(&live).await.unwrap().unwrap();
+    assert_eq!(info.state, tower_idempotency::store::RecordState::InFlight);
+    assert_eq!(store.stuck(Duration::ZERO, 10).await.unwrap().len(), 1);
+
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(store.sweep().await.unwrap(), 64);
+    assert!(store.forget(&live).await.unwrap());
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+        .fetch_one(&schema.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
     schema.drop().await;
 }
 

@@ -50,7 +50,7 @@ pub(crate) use postgres::commit;
 #[cfg(feature = "postgres")]
 pub use postgres::{
     DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_TIMEOUT, DEFAULT_SWEEP_BATCH, FenceError,
-    MIGRATOR, PostgresStore,
+    MIGRATOR, PARTITION_BY_HASH, PostgresStore,
 };
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_REDIS_TIMEOUT, RedisStore};

@@ -79,6 +79,14 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     ),
 ];
 
+/// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 16 ways:
+/// `migrations/optional/partition_by_hash.sql`, which says when to use it. Not part of
+/// [`MIGRATOR`]: run it once after it (`sqlx::raw_sql(PARTITION_BY_HASH).execute(&pool)`), or
+/// copy the file into your migrations. Every statement of the store works on either table;
+/// applied to a partitioned table, it changes nothing.
+pub const PARTITION_BY_HASH: &str =
+    include_str!("../../../migrations/optional/partition_by_hash.sql");
+
 /// The default bound on one Postgres operation (acquiring a connection included).
 pub const DEFAULT_POSTGRES_TIMEOUT: Duration = Duration::from_secs(5);
 
