@@ -98,7 +98,7 @@
 //! | store | use |
 //! |---|---|
 //! | [`MemoryStore`] | tests and single-process development only: **no protection across instances** |
-//! | [`store::RedisStore`] (feature `redis`) | a fast shared store; alone, a best effort (eviction, failover) |
+//! | [`store::RedisStore`] (feature `redis`) | a fast shared store, on one server or a Redis Cluster; alone, a best effort (eviction, failover) |
 //! | [`store::PostgresStore`] (feature `postgres`) | the source of truth, with the handler fence ([`IdempotencyClaim::commit`]) |
 //! | [`store::TieredStore`] | a fast front before an authority: Redis before Postgres is the production setup |
 //!
