@@ -71,7 +71,7 @@ async fn a_handler_that_blocks_its_worker_past_the_lease_keeps_its_key() {
         .layer(IdempotencyLayer::new(PostgresStore::new(schema.pool.clone())).with_lease(lease))
         .with_state(effects.clone());
 
-    let keys = 12;
+    let keys = 20;
     let mut second_runs = 0;
     for i in 0..keys {
         let key = format!("blocking-{i}");
