@@ -203,6 +203,20 @@ async fn postgres_store(url: &str, schema: &str) -> PostgresStore {
     PostgresStore::new(pool)
 }
 
+/// The naive guard's claim: `SET key "" NX EX 86400`; whether it set the key.
+async fn naive_claim(redis: &mut ConnectionManager, key: &str) -> bool {
+    let claimed: Option<String> = redis::cmd("SET")
+        .arg(key)
+        .arg("")
+        .arg("NX")
+        .arg("EX")
+        .arg(86_400)
+        .query_async(redis)
+        .await
+        .unwrap();
+    claimed.is_some()
+}
+
 /// What a team writes before it finds this crate: `SET key "" NX EX`, run, `SET key body EX`;
 /// a retry `GET`s the body. No owner, no fingerprint, no lease renewal, no fence.
 async fn naive_guard(
@@ -214,16 +228,7 @@ async fn naive_guard(
         return next.run(request).await;
     };
     let key = format!("{prefix}{}", key.to_str().unwrap_or_default());
-    let claimed: Option<String> = redis::cmd("SET")
-        .arg(&key)
-        .arg("")
-        .arg("NX")
-        .arg("EX")
-        .arg(86_400)
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    if claimed.is_none() {
+    if !naive_claim(&mut redis, &key).await {
         let stored: Vec<u8> = redis.get(&key).await.unwrap();
         if stored.is_empty() {
             return StatusCode::CONFLICT.into_response();
@@ -679,15 +684,7 @@ async fn naive_floor(url: &str, tasks: usize, seconds: Duration) -> f64 {
         let mut redis = redis.clone();
         let key = format!("naive-floor:{run}-{task}-{n}");
         async move {
-            let _: Option<String> = redis::cmd("SET")
-                .arg(&key)
-                .arg("")
-                .arg("NX")
-                .arg("EX")
-                .arg(86_400)
-                .query_async(&mut redis)
-                .await
-                .unwrap();
+            naive_claim(&mut redis, &key).await;
             let () = redis.set_ex(&key, ANSWER, 86_400).await.unwrap();
         }
     })

@@ -221,6 +221,25 @@ fn app(layer: IdempotencyLayer) -> Router {
     )
 }
 
+/// An app whose handler, for the body `slow`, waits until the returned gate gets a permit.
+fn gated_app(layer: IdempotencyLayer) -> (Router, Arc<Semaphore>) {
+    let gate = Arc::new(Semaphore::new(0));
+    let app = Router::new().route(
+        "/pay",
+        post({
+            let gate = Arc::clone(&gate);
+            move |body: String| async move {
+                if body == "slow" {
+                    let _permit = gate.acquire().await.unwrap();
+                }
+                (StatusCode::CREATED, "paid")
+            }
+        })
+        .route_layer(layer),
+    );
+    (app, gate)
+}
+
 #[test]
 fn a_guarded_request_has_a_span_of_its_own_the_handler_runs_in() {
     let capture = Capture::default();
@@ -258,25 +277,12 @@ fn a_guarded_request_has_a_span_of_its_own_the_handler_runs_in() {
 fn every_answer_the_layer_gives_is_an_event_at_the_chosen_level() {
     let capture = Capture::default();
     observed(&capture, |_| async {
-        let gate = Arc::new(Semaphore::new(0));
         let layer = IdempotencyLayer::new(MemoryStore::new())
             .require_key(true)
             .with_max_request_body(8)
             .with_wait(Duration::ZERO)
             .with_answer_log_level(Level::WARN);
-        let app = Router::new().route(
-            "/pay",
-            post({
-                let gate = Arc::clone(&gate);
-                move |body: String| async move {
-                    if body == "slow" {
-                        let _permit = gate.acquire().await.unwrap();
-                    }
-                    (StatusCode::CREATED, "paid")
-                }
-            })
-            .route_layer(layer),
-        );
+        let (app, gate) = gated_app(layer);
         call(&app, pay("k-1", "{}")).await;
         assert!(call(&app, pay("k-1", "{}")).await.replayed());
         assert_eq!(
@@ -402,26 +408,13 @@ fn store_errors_are_logged_with_their_causes() {
 fn metrics_count_outcomes_time_the_store_and_follow_keys_held_and_the_breaker() {
     let capture = Capture::default();
     observed(&capture, |metrics| async move {
-        let gate = Arc::new(Semaphore::new(0));
         let front = RedisStore::open("redis://127.0.0.1:1")
             .unwrap()
             .with_timeout(Duration::from_millis(100))
             .unwrap();
         let store = TieredStore::new(front, MemoryStore::new());
         let layer = IdempotencyLayer::new(store).with_wait(Duration::ZERO);
-        let app = Router::new().route(
-            "/pay",
-            post({
-                let gate = Arc::clone(&gate);
-                move |body: String| async move {
-                    if body == "slow" {
-                        let _permit = gate.acquire().await.unwrap();
-                    }
-                    (StatusCode::CREATED, "paid")
-                }
-            })
-            .route_layer(layer),
-        );
+        let (app, gate) = gated_app(layer);
         call(&app, pay("k-1", "{}")).await;
         call(&app, pay("k-1", "{}")).await;
         call(&app, pay("k-1", "{\"x\":1}")).await;

@@ -686,6 +686,15 @@ mod tests {
         )
     }
 
+    /// The claim script's answer for a record it found, with its expiry in ms.
+    fn held(record: Vec<u8>, pttl: i64) -> Value {
+        Value::Array(vec![
+            Value::Int(1),
+            Value::BulkString(record),
+            Value::Int(pttl),
+        ])
+    }
+
     /// A record as the scripts write it.
     fn record(layout: u8, state: u8, fingerprint: &[u8; 32], response: &[u8]) -> Vec<u8> {
         let mut record = vec![layout, state];
@@ -700,21 +709,14 @@ mod tests {
     fn records_are_read_by_state_and_fingerprint() {
         let request = request();
         let fp = request.fingerprint().as_bytes();
-        let held = |record: Vec<u8>| {
-            Value::Array(vec![
-                Value::Int(1),
-                Value::BulkString(record),
-                Value::Int(1500),
-            ])
-        };
         assert_eq!(
-            parse_claim(held(record(LAYOUT, b'i', fp, b"")), &request),
+            parse_claim(held(record(LAYOUT, b'i', fp, b""), 1500), &request),
             Ok(ClaimOutcome::InFlight {
                 retry_after: Duration::from_millis(1500)
             })
         );
         assert_eq!(
-            parse_claim(held(record(LAYOUT, b'i', &[0; 32], b"")), &request),
+            parse_claim(held(record(LAYOUT, b'i', &[0; 32], b""), 1500), &request),
             Ok(ClaimOutcome::Mismatch)
         );
         let response = StoredResponse::new(
@@ -723,7 +725,10 @@ mod tests {
             Some("done".into()),
             None,
         );
-        let completed = parse_claim(held(record(LAYOUT, b'c', fp, &response.encode())), &request);
+        let completed = parse_claim(
+            held(record(LAYOUT, b'c', fp, &response.encode()), 1500),
+            &request,
+        );
         assert_eq!(
             completed,
             Ok(ClaimOutcome::Completed {
@@ -747,21 +752,14 @@ mod tests {
     fn unreadable_replies_are_errors() {
         let request = request();
         let fp = request.fingerprint().as_bytes();
-        let held = |record: Vec<u8>| {
-            Value::Array(vec![
-                Value::Int(1),
-                Value::BulkString(record),
-                Value::Int(1000),
-            ])
-        };
         let bad = [
             Value::Nil,
             Value::Array(vec![]),
             Value::Array(vec![Value::Int(0), Value::BulkString(b"x".to_vec())]),
-            held(b"short".to_vec()),
-            held(record(1, b'i', fp, b"")),
-            held(record(LAYOUT, b'x', fp, b"")),
-            held(record(LAYOUT, b'c', fp, b"garbage")),
+            held(b"short".to_vec(), 1000),
+            held(record(1, b'i', fp, b""), 1000),
+            held(record(LAYOUT, b'x', fp, b""), 1000),
+            held(record(LAYOUT, b'c', fp, b"garbage"), 1000),
             Value::Array(vec![Value::Int(1), Value::Nil, Value::Int(1000)]),
             Value::Array(vec![Value::Int(9)]),
         ];

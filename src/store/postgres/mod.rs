@@ -220,14 +220,11 @@ impl PostgresStore {
         let mut total = 0;
         loop {
             let deleted = self
-                .bounded(async {
-                    let mut connection = self.connections.lend().await?;
-                    let result = sqlx::query(SWEEP)
+                .on_connection(async |connection| {
+                    sqlx::query(SWEEP)
                         .bind(self.sweep_batch)
-                        .execute(&mut *connection)
-                        .await;
-                    connection.give_back(&result);
-                    result
+                        .execute(connection)
+                        .await
                 })
                 .await?
                 .rows_affected();
@@ -258,6 +255,21 @@ impl PostgresStore {
                 }
             }
         })
+    }
+
+    /// Runs one statement on a connection of the store's own, under the timeout (getting the
+    /// connection included); the connection goes back unless the statement left it out of step.
+    async fn on_connection<T>(
+        &self,
+        statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, StoreError> {
+        self.bounded(async {
+            let mut connection = self.connections.lend().await?;
+            let result = statement(&mut connection).await;
+            connection.give_back(&result);
+            result
+        })
+        .await
     }
 
     async fn bounded<T>(
@@ -464,17 +476,14 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let record = lease.record();
             let row = self
-                .bounded(async {
-                    let mut connection = self.connections.lend().await?;
-                    let result = sqlx::query(RENEW)
+                .on_connection(async |connection| {
+                    sqlx::query(RENEW)
                         .bind(record.scope())
                         .bind(record.key().as_str())
                         .bind(lease.owner())
                         .bind(millis(duration))
-                        .fetch_one(&mut *connection)
-                        .await;
-                    connection.give_back(&result);
-                    result
+                        .fetch_one(connection)
+                        .await
                 })
                 .await?;
             let renewed: bool = row.try_get("renewed").map_err(backend)?;
@@ -497,19 +506,16 @@ impl Store for PostgresStore {
             let record = lease.record();
             let encoded = response.encode();
             let updated = self
-                .bounded(async {
-                    let mut connection = self.connections.lend().await?;
-                    let result = sqlx::query(COMPLETE)
+                .on_connection(async |connection| {
+                    sqlx::query(COMPLETE)
                         .bind(record.scope())
                         .bind(record.key().as_str())
                         .bind(lease.owner())
                         .bind(response.status().as_u16() as i16)
                         .bind(&encoded[..])
                         .bind(millis(retention))
-                        .execute(&mut *connection)
-                        .await;
-                    connection.give_back(&result);
-                    result
+                        .execute(connection)
+                        .await
                 })
                 .await?;
             Ok(held_if_one(updated.rows_affected()))
@@ -520,16 +526,13 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let record = lease.record();
             let row = self
-                .bounded(async {
-                    let mut connection = self.connections.lend().await?;
-                    let result = sqlx::query(RELEASE)
+                .on_connection(async |connection| {
+                    sqlx::query(RELEASE)
                         .bind(record.scope())
                         .bind(record.key().as_str())
                         .bind(lease.owner())
-                        .fetch_one(&mut *connection)
-                        .await;
-                    connection.give_back(&result);
-                    result
+                        .fetch_one(connection)
+                        .await
                 })
                 .await?;
             let released: bool = row.try_get("released").map_err(backend)?;
@@ -552,15 +555,12 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
         Box::pin(async move {
             let row = self
-                .bounded(async {
-                    let mut connection = self.connections.lend().await?;
-                    let result = sqlx::query(INSPECT)
+                .on_connection(async |connection| {
+                    sqlx::query(INSPECT)
                         .bind(record.scope())
                         .bind(record.key().as_str())
-                        .fetch_optional(&mut *connection)
-                        .await;
-                    connection.give_back(&result);
-                    result
+                        .fetch_optional(connection)
+                        .await
                 })
                 .await?;
             row.map(|row| read_info(&row)).transpose()
@@ -570,15 +570,12 @@ impl Store for PostgresStore {
     fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let deleted = self
-                .bounded(async {
-                    let mut connection = self.connections.lend().await?;
-                    let result = sqlx::query(FORGET)
+                .on_connection(async |connection| {
+                    sqlx::query(FORGET)
                         .bind(record.scope())
                         .bind(record.key().as_str())
-                        .execute(&mut *connection)
-                        .await;
-                    connection.give_back(&result);
-                    result
+                        .execute(connection)
+                        .await
                 })
                 .await?;
             Ok(deleted.rows_affected() > 0)
@@ -592,15 +589,12 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
         Box::pin(async move {
             let rows = self
-                .bounded(async {
-                    let mut connection = self.connections.lend().await?;
-                    let result = sqlx::query(STUCK)
+                .on_connection(async |connection| {
+                    sqlx::query(STUCK)
                         .bind(millis(older_than))
                         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                        .fetch_all(&mut *connection)
-                        .await;
-                    connection.give_back(&result);
-                    result
+                        .fetch_all(connection)
+                        .await
                 })
                 .await?;
             rows.iter().map(read_info).collect()
