@@ -105,7 +105,7 @@ async fn main() {
     tonic::transport::Server::builder()
         .layer(
             IdempotencyLayer::new(MemoryStore::new())
-                .require_key(true)
+                .with_key_required(true)
                 .with_lease(env_millis("IDEMPOTENCY_LEASE_MS", DEFAULT_LEASE))
                 .with_wait(env_millis("IDEMPOTENCY_WAIT_MS", DEFAULT_WAIT)),
         )

@@ -63,7 +63,7 @@ async fn main() {
         )
         .init();
     let service = ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(MemoryStore::new()).require_key(true))
+        .layer(IdempotencyLayer::new(MemoryStore::new()).with_key_required(true))
         .service_fn(take_order);
 
     let port = env::var("PORT")

@@ -439,7 +439,7 @@ async fn main() {
         pause_after_commit: env_millis("PAYMENTS_PAUSE_AFTER_COMMIT_MS", 0),
     };
     let layer = IdempotencyLayer::from_shared_store(store)
-        .require_key(true)
+        .with_key_required(true)
         .with_lease(env_millis("IDEMPOTENCY_LEASE_MS", 30_000))
         .with_wait(env_millis("IDEMPOTENCY_WAIT_MS", 10_000));
 

@@ -4,6 +4,7 @@ use std::{
     future::Future,
     panic::AssertUnwindSafe,
     pin::Pin,
+    sync::Arc,
     task::{Context, Poll, ready},
 };
 
@@ -13,10 +14,12 @@ use pin_project_lite::pin_project;
 use tokio::sync::oneshot;
 use tracing::{Instrument, Span};
 
-use crate::{body::ResponseBody, problem::Rejection};
-
-/// What the work on a guarded request sends back to its caller.
-pub(crate) type Reply<B, E> = Result<Response<ResponseBody<B>>, E>;
+use crate::{
+    body::ResponseBody,
+    problem::Rejection,
+    protocol::{Engine, Reply},
+    store::RecordKey,
+};
 
 /// The work on a guarded request: reading the body, claiming, running the handler, finalizing.
 pub(crate) type Work = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -50,11 +53,17 @@ pin_project! {
 /// past the cache limit, a finalize retried in the background) moves to a task too.
 ///
 /// The work's events belong to the caller's span wherever it runs, and a panic outside the
-/// handler (whose own panics are caught where it runs) drops the reply: the caller gets a 500.
+/// handler (whose own panics are caught where it runs: a fingerprint hook, the completion
+/// policy, a store) drops the reply: the caller gets the layer's 500 answer, rendered and
+/// reported like every other.
 pub(crate) struct Guarded<B, E> {
     work: Option<Work>,
     reply: oneshot::Receiver<Reply<B, E>>,
     span: Span,
+    /// Who answers if the work ends without an answer, and about which key.
+    engine: Arc<Engine>,
+    record: Arc<RecordKey>,
+    grpc: bool,
 }
 
 impl<B, E> Guarded<B, E> {
@@ -70,6 +79,18 @@ impl<B, E> Guarded<B, E> {
             return true;
         }
         false
+    }
+
+    /// The answer to a caller whose work ended without one: it panicked outside the handler.
+    fn panicked(&self) -> Response<ResponseBody<B>> {
+        let _entered = self.span.enter();
+        tracing::error!(
+            "the work on a guarded request panicked outside the handler (a fingerprint hook, \
+             the completion policy or the store); the key is left to its lease"
+        );
+        let key = Some(self.record.key());
+        self.engine
+            .respond(Rejection::HandlerFailed, key, self.grpc)
     }
 
     /// Hands the unfinished work to a task of its own.
@@ -97,15 +118,24 @@ impl<F, B, E> ResponseFuture<F, B, E> {
         }
     }
 
-    pub(crate) fn guarded(work: Work, reply: oneshot::Receiver<Reply<B, E>>, span: Span) -> Self {
+    pub(crate) fn guarded(
+        work: Work,
+        reply: oneshot::Receiver<Reply<B, E>>,
+        span: Span,
+        engine: Arc<Engine>,
+        record: Arc<RecordKey>,
+        grpc: bool,
+    ) -> Self {
+        let guarded = Guarded {
+            work: Some(work),
+            reply,
+            span,
+            engine,
+            record,
+            grpc,
+        };
         Self {
-            inner: Kind::Guarded {
-                guarded: Guarded {
-                    work: Some(work),
-                    reply,
-                    span,
-                },
-            },
+            inner: Kind::Guarded { guarded },
         }
     }
 
@@ -133,11 +163,7 @@ where
                 guarded.poll_work(cx);
                 let answer = match ready!(Pin::new(&mut guarded.reply).poll(cx)) {
                     Ok(reply) => reply,
-                    // The work ended without an answer: it panicked where no handler runs.
-                    Err(_) => Ok(Rejection::HandlerFailed
-                        .problem(None)
-                        .to_response()
-                        .map(|body| ResponseBody::full(body, None))),
+                    Err(_) => Ok(guarded.panicked()),
                 };
                 guarded.detach();
                 Poll::Ready(answer)

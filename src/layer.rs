@@ -1,19 +1,18 @@
-//! The layer and its configuration.
+//! The layer: how an application configures the middleware.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http::{HeaderName, Method, request::Parts};
 use tower_layer::Layer;
 
 use crate::{
-    CompletionPolicy, Idempotency, Metrics,
-    fingerprint::BodyFingerprintFn,
+    CompletionPolicy, Idempotency,
     problem::Problem,
-    protocol::{Durations, Leases, Waiters},
-    response::StoreRules,
-    scope,
-    store::{RecordKey, Store},
+    protocol::{Engine, State},
+    settings::Settings,
+    store::Store,
+    telemetry::{Counters, Telemetry},
 };
 
 /// Applies [`Idempotency`] to a service. Build it once, with a store, and add it like any layer.
@@ -26,7 +25,7 @@ use crate::{
 /// struct Tenant(String); // set by an authentication layer installed outside this one
 ///
 /// let layer = IdempotencyLayer::new(MemoryStore::new())
-///     .require_key(true)
+///     .with_key_required(true)
 ///     // No tenant means no scope: the request is refused, never put in a shared scope.
 ///     .with_scope(|parts| parts.extensions.get::<Tenant>().map(|t| t.0.clone()))
 ///     .with_lease(Duration::from_secs(10));
@@ -34,65 +33,14 @@ use crate::{
 #[derive(Clone)]
 #[must_use]
 pub struct IdempotencyLayer {
-    config: Config,
+    settings: Settings,
+    counters: Arc<Counters>,
+    /// Shared by every service the layer builds: duplicates on this instance wait for each
+    /// other, and one task renews all their leases.
+    state: Arc<State>,
 }
 
-/// Everything the service needs, shared by every clone.
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) store: Arc<dyn Store>,
-    pub(crate) methods: Vec<Method>,
-    pub(crate) header: HeaderName,
-    pub(crate) require_key: bool,
-    pub(crate) scope: Arc<ScopeFn>,
-    pub(crate) fingerprint_headers: Vec<HeaderName>,
-    pub(crate) fingerprint_body: Option<Arc<BodyFingerprintFn>>,
-    pub(crate) max_request_body: usize,
-    pub(crate) request_body_timeout: Duration,
-    pub(crate) store_rules: Arc<StoreRules>,
-    pub(crate) lease: Duration,
-    pub(crate) retention: Duration,
-    pub(crate) wait: Duration,
-    pub(crate) finalize_deadline: Duration,
-    pub(crate) policy: CompletionPolicy,
-    pub(crate) problem_response: Option<Arc<ProblemFn>>,
-    pub(crate) log_keys_in_clear: bool,
-    pub(crate) answer_level: tracing::Level,
-    pub(crate) metrics: Arc<Metrics>,
-    pub(crate) shared: Arc<Shared>,
-}
-
-/// What the services of one layer learn at run time and share.
-#[derive(Debug, Default)]
-pub(crate) struct Shared {
-    /// Requests waiting for a duplicate of theirs to finish.
-    pub(crate) waiters: Waiters,
-    /// The leases this layer's requests hold, and the task that renews them.
-    pub(crate) leases: Leases,
-    /// Recent handler durations, for `Retry-After` hints.
-    pub(crate) durations: Durations,
-    /// Whether the warning about a timeout layer inside this one was logged.
-    pub(crate) warned_inner_timeout: std::sync::atomic::AtomicBool,
-}
-
-type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
-type ProblemFn = dyn Fn(&Problem) -> http::Response<Bytes> + Send + Sync;
-
-/// Default limit of a guarded request body: 1 MiB.
-pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
-/// Default time a guarded request body may take to arrive: 30 s.
-pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
-/// Default limit of a response body kept for replay: 1 MiB.
-pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
-/// Default lease: how long a claim survives its instance without renewal.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
-/// Default retention of completed keys: 24 hours.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
-/// Default time a duplicate waits for the first request with its key: 10 s.
-pub const DEFAULT_WAIT: Duration = Duration::from_secs(10);
-/// Default time a response that could not be stored is retried, with its key held: 10 minutes.
-pub const DEFAULT_FINALIZE_DEADLINE: Duration = Duration::from_secs(10 * 60);
-
+/// # Construction
 impl IdempotencyLayer {
     /// A layer on `store`, with the defaults: guards POST and PATCH; reads the key from
     /// `Idempotency-Key`; a missing key passes through; keys are scoped by the caller's
@@ -108,48 +56,32 @@ impl IdempotencyLayer {
     /// A layer on a store already shared behind an `Arc` (to pick one at run time, say).
     pub fn from_shared_store(store: Arc<dyn Store>) -> Self {
         Self {
-            config: Config {
-                store,
-                methods: vec![Method::POST, Method::PATCH],
-                header: crate::IDEMPOTENCY_KEY.clone(),
-                require_key: false,
-                scope: Arc::new(scope::by_credentials),
-                fingerprint_headers: Vec::new(),
-                fingerprint_body: None,
-                max_request_body: DEFAULT_MAX_REQUEST_BODY,
-                request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
-                store_rules: Arc::default(),
-                lease: DEFAULT_LEASE,
-                retention: DEFAULT_RETENTION,
-                wait: DEFAULT_WAIT,
-                finalize_deadline: DEFAULT_FINALIZE_DEADLINE,
-                policy: CompletionPolicy::default(),
-                problem_response: None,
-                log_keys_in_clear: false,
-                answer_level: tracing::Level::INFO,
-                metrics: Arc::default(),
-                shared: Arc::default(),
-            },
+            settings: Settings::new(store),
+            counters: Arc::default(),
+            state: Arc::default(),
         }
     }
+}
 
+/// # Requests: which are guarded, where the key is, whose key it is
+impl IdempotencyLayer {
     /// The methods the layer guards; requests with any other method pass through untouched.
     pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.config.methods = methods.into_iter().collect();
+        self.settings.methods = methods.into_iter().collect();
         self
     }
 
     /// The request header that carries the key (`Idempotency-Key` by default), for clients that
     /// send another one, such as `X-Idempotency-Key`.
-    pub fn with_header(mut self, name: HeaderName) -> Self {
-        self.config.header = name;
+    pub fn with_key_header(mut self, name: HeaderName) -> Self {
+        self.settings.key_header = name;
         self
     }
 
     /// Whether a guarded request without a key is refused with 400 (`true`) or passed through
     /// without protection (`false`, the default).
-    pub fn require_key(mut self, required: bool) -> Self {
-        self.config.require_key = required;
+    pub fn with_key_required(mut self, required: bool) -> Self {
+        self.settings.key_required = required;
         self
     }
 
@@ -170,17 +102,20 @@ impl IdempotencyLayer {
         mut self,
         scope: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
-        self.config.scope = Arc::new(scope);
+        self.settings.scope = Arc::new(scope);
         self
     }
+}
 
+/// # Fingerprint: what makes two requests with one key the same request
+impl IdempotencyLayer {
     /// Request headers that take part in the fingerprint, besides method, path, query,
     /// `Content-Type` and body (say a header that selects an API version).
     pub fn with_fingerprint_headers(
         mut self,
         headers: impl IntoIterator<Item = HeaderName>,
     ) -> Self {
-        self.config.fingerprint_headers = headers.into_iter().collect();
+        self.settings.fingerprint_headers = headers.into_iter().collect();
         self
     }
 
@@ -212,21 +147,24 @@ impl IdempotencyLayer {
         mut self,
         body: impl Fn(&Parts, &Bytes) -> Bytes + Send + Sync + 'static,
     ) -> Self {
-        self.config.fingerprint_body = Some(Arc::new(body));
+        self.settings.fingerprint_body = Some(Arc::new(body));
         self
     }
+}
 
+/// # Limits: what is buffered, and what is stored for replay
+impl IdempotencyLayer {
     /// The largest guarded request body buffered for the fingerprint; larger ones get 413 and
     /// never reach the handler.
     pub fn with_max_request_body(mut self, bytes: usize) -> Self {
-        self.config.max_request_body = bytes;
+        self.settings.max_request_body = bytes;
         self
     }
 
     /// How long a guarded request body may take to arrive (30 s by default); a slower one gets a
     /// 408 problem and never reaches the handler. Bounds the memory a stalled upload holds.
     pub fn with_request_body_timeout(mut self, timeout: Duration) -> Self {
-        self.config.request_body_timeout = timeout;
+        self.settings.request_body_timeout = timeout;
         self
     }
 
@@ -234,22 +172,34 @@ impl IdempotencyLayer {
     /// caller in full and still completes the key (it never runs twice), but is stored without
     /// its body: retries get a `response-not-stored` problem.
     pub fn with_max_response_body(mut self, bytes: usize) -> Self {
-        Arc::make_mut(&mut self.config.store_rules).max_body = bytes;
+        Arc::make_mut(&mut self.settings.store_rules).max_body = bytes;
         self
     }
 
+    /// Response headers never stored nor replayed, besides the hop-by-hop ones (which never are).
+    /// Replaces the default: `Date`, `Set-Cookie` (a replay must not re-send a session),
+    /// `X-Request-Id`, `Request-Id`, `Traceparent`, `Tracestate` and `Server-Timing` (they
+    /// describe the first exchange, not the outcome).
+    pub fn with_unstored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        Arc::make_mut(&mut self.settings.store_rules).unstored = headers.into_iter().collect();
+        self
+    }
+}
+
+/// # Timing: leases, retention, waiting duplicates, stubborn stores
+impl IdempotencyLayer {
     /// How long a claim survives without renewal. While the handler runs, the layer renews it
     /// every third of this; if the instance dies, the key becomes claimable once it runs out.
     pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.config.lease = lease;
+        self.settings.lease = lease;
         // Requests of layers with different leases are renewed on different schedules.
-        self.config.shared = Arc::default();
+        self.state = Arc::default();
         self
     }
 
     /// How long completed keys (and their responses) are kept.
     pub fn with_retention(mut self, retention: Duration) -> Self {
-        self.config.retention = retention;
+        self.settings.retention = retention;
         self
     }
 
@@ -264,7 +214,7 @@ impl IdempotencyLayer {
     /// read. The default covers most handlers' durations while staying under common client and
     /// proxy timeouts (30 to 60 s): keep it below any timeout in front of the layer.
     pub fn with_wait(mut self, wait: Duration) -> Self {
-        self.config.wait = wait;
+        self.settings.wait = wait;
         self
     }
 
@@ -273,22 +223,16 @@ impl IdempotencyLayer {
     /// again; the caller is answered after the first few attempts. Past it, the layer gives up,
     /// logs an error, and the key frees itself when its lease runs out.
     pub fn with_finalize_deadline(mut self, deadline: Duration) -> Self {
-        self.config.finalize_deadline = deadline;
+        self.settings.finalize_deadline = deadline;
         self
     }
+}
 
+/// # Answers: which responses are stored, how the layer's own are rendered
+impl IdempotencyLayer {
     /// Which responses are stored and which release the key.
     pub fn with_completion_policy(mut self, policy: CompletionPolicy) -> Self {
-        self.config.policy = policy;
-        self
-    }
-
-    /// Response headers never stored nor replayed, besides the hop-by-hop ones (which never are).
-    /// Replaces the default: `Date`, `Set-Cookie` (a replay must not re-send a session),
-    /// `X-Request-Id`, `Request-Id`, `Traceparent`, `Tracestate` and `Server-Timing` (they
-    /// describe the first exchange, not the outcome).
-    pub fn with_unstored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
-        Arc::make_mut(&mut self.config.store_rules).unstored = headers.into_iter().collect();
+        self.settings.policy = policy;
         self
     }
 
@@ -316,16 +260,19 @@ impl IdempotencyLayer {
         mut self,
         render: impl Fn(&Problem) -> http::Response<Bytes> + Send + Sync + 'static,
     ) -> Self {
-        self.config.problem_response = Some(Arc::new(render));
+        self.settings.answers.problem_response = Some(Arc::new(render));
         self
     }
+}
 
+/// # Observability: logs and counters
+impl IdempotencyLayer {
     /// Whether logs and spans show keys and scopes as they are (`true`) or, by default, as
     /// pseudonyms: `#` and 12 hex digits of their SHA-256, the same on every instance, so one key
     /// can be followed through the logs without customers' order numbers or tenants' names in
     /// them. A pseudonym is not encryption: a guessable key can be found by hashing guesses.
-    pub fn log_keys_in_clear(mut self, clear: bool) -> Self {
-        self.config.log_keys_in_clear = clear;
+    pub fn with_clear_keys_in_logs(mut self, clear: bool) -> Self {
+        self.settings.keys_in_clear = clear;
         self
     }
 
@@ -333,62 +280,30 @@ impl IdempotencyLayer {
     /// (a replay, a 409, a 422, a 400…): `INFO` by default. Store failures are logged at
     /// `ERROR` whatever this says.
     pub fn with_answer_log_level(mut self, level: tracing::Level) -> Self {
-        self.config.answer_level = level;
+        self.settings.answers.level = level;
         self
     }
 
-    /// The counters of every service this layer builds.
-    pub fn metrics(&self) -> Arc<Metrics> {
-        Arc::clone(&self.config.metrics)
+    /// The process-local counters of every service this layer builds (see
+    /// [`telemetry`](crate::telemetry) for the metrics exported through the facade).
+    pub fn counters(&self) -> Arc<Counters> {
+        Arc::clone(&self.counters)
     }
 }
-
-impl Config {
-    /// A record as this layer's logs show it, outside a request's span (which names it).
-    pub(crate) fn shown_record<'a>(
-        &self,
-        record: &'a RecordKey,
-    ) -> crate::telemetry::ShownRecord<'a> {
-        crate::telemetry::ShownRecord {
-            scope: self.shown(record.scope()),
-            key: self.shown(record.key().as_str()),
-        }
-    }
-
-    /// A key or scope as this layer's logs show it.
-    pub(crate) fn shown<'a>(&self, value: &'a str) -> crate::telemetry::Pseudonym<'a> {
-        crate::telemetry::Pseudonym {
-            value,
-            clear: self.log_keys_in_clear,
-        }
-    }
-}
-
 impl<S> Layer<S> for IdempotencyLayer {
     type Service = Idempotency<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, Arc::new(self.config.clone()))
+        let telemetry = Telemetry::new(Arc::clone(&self.counters), self.settings.store.kind());
+        let engine = Engine::new(self.settings.clone(), telemetry, Arc::clone(&self.state));
+        Idempotency::new(inner, Arc::new(engine))
     }
 }
 
-impl fmt::Debug for IdempotencyLayer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotencyLayer")
-            .field("methods", &self.config.methods)
-            .field("header", &self.config.header)
-            .field("require_key", &self.config.require_key)
-            .field("fingerprint_headers", &self.config.fingerprint_headers)
-            .field("max_request_body", &self.config.max_request_body)
-            .field("request_body_timeout", &self.config.request_body_timeout)
-            .field("max_response_body", &self.config.store_rules.max_body)
-            .field("lease", &self.config.lease)
-            .field("retention", &self.config.retention)
-            .field("wait", &self.config.wait)
-            .field("finalize_deadline", &self.config.finalize_deadline)
-            .field("unstored_headers", &self.config.store_rules.unstored)
-            .field("log_keys_in_clear", &self.config.log_keys_in_clear)
-            .field("answer_level", &self.config.answer_level)
+            .field("settings", &self.settings)
             .finish_non_exhaustive()
     }
 }

@@ -2,7 +2,9 @@
 
 use std::{fmt, sync::Arc};
 
-use http::{HeaderMap, StatusCode, header::CONTENT_TYPE};
+use http::{HeaderMap, StatusCode};
+
+use crate::grpc;
 
 /// What happens to a key once its handler has answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,19 +92,11 @@ impl fmt::Debug for CompletionPolicy {
 }
 
 fn default_policy(response: &ResponseSummary<'_>) -> Completion {
-    if is_grpc(response.headers) {
-        let status = response
-            .trailers
-            .and_then(|t| t.get("grpc-status"))
-            .or_else(|| response.headers.get("grpc-status"));
-        return match status.map(|s| s.as_bytes()) {
-            // INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, UNIMPLEMENTED, UNAUTHENTICATED:
-            // refused before acting.
-            Some(b"3" | b"5" | b"7" | b"12" | b"16") => Completion::Release,
-            // CANCELLED, UNKNOWN, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, INTERNAL,
-            // UNAVAILABLE: the outcome is not the call's final word.
-            Some(b"1" | b"2" | b"4" | b"8" | b"10" | b"13" | b"14") | None => Completion::Release,
-            Some(_) => Completion::Complete,
+    if grpc::is_grpc(response.headers) {
+        return if grpc::status_is_final(response.headers, response.trailers) {
+            Completion::Complete
+        } else {
+            Completion::Release
         };
     }
     match response.status.as_u16() {
@@ -114,17 +108,10 @@ fn default_policy(response: &ResponseSummary<'_>) -> Completion {
     }
 }
 
-/// Whether a message with these headers is gRPC.
-pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(CONTENT_TYPE)
-        .is_some_and(|ct| ct.as_bytes().starts_with(b"application/grpc"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderValue;
+    use http::{HeaderValue, header::CONTENT_TYPE};
 
     fn decide(status: u16, headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Completion {
         CompletionPolicy::default().decide(&ResponseSummary {

@@ -29,7 +29,11 @@ use std::{fmt, time::Duration};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode, header};
 
-use crate::{IdempotencyKey, KeyError};
+use crate::{
+    IdempotencyKey, KeyError,
+    grpc::{self, Code},
+    headers::IDEMPOTENT_REPLAYED,
+};
 
 /// `type` of a 400: the idempotency key header is invalid or repeated.
 pub const INVALID_KEY: &str = "urn:tower-idempotency:problem:invalid-key";
@@ -91,101 +95,68 @@ pub(crate) enum Rejection {
     HandlerFailed,
 }
 
-/// gRPC status codes used below.
-mod code {
-    pub(super) const INVALID_ARGUMENT: u8 = 3;
-    pub(super) const DEADLINE_EXCEEDED: u8 = 4;
-    pub(super) const RESOURCE_EXHAUSTED: u8 = 8;
-    pub(super) const FAILED_PRECONDITION: u8 = 9;
-    pub(super) const ABORTED: u8 = 10;
-    pub(super) const INTERNAL: u8 = 13;
-    pub(super) const UNAVAILABLE: u8 = 14;
-}
-
 impl Rejection {
     /// Status, `type`, title and gRPC code.
-    fn describe(&self) -> (StatusCode, &'static str, &'static str, u8) {
+    fn describe(&self) -> (StatusCode, &'static str, &'static str, Code) {
+        use Code::*;
         use Rejection::*;
-        match self {
-            InvalidKey(_) => (
-                StatusCode::BAD_REQUEST,
-                INVALID_KEY,
-                "Invalid idempotency key",
-                code::INVALID_ARGUMENT,
-            ),
+        let (status, type_uri, title, code) = match self {
+            InvalidKey(_) => (400, INVALID_KEY, "Invalid idempotency key", InvalidArgument),
             MissingKey => (
-                StatusCode::BAD_REQUEST,
+                400,
                 MISSING_KEY,
                 "Idempotency key required",
-                code::INVALID_ARGUMENT,
+                InvalidArgument,
             ),
-            NoScope => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                NO_SCOPE,
-                "No idempotency scope",
-                code::INTERNAL,
-            ),
+            NoScope => (500, NO_SCOPE, "No idempotency scope", Internal),
             BodyTooLarge { .. } => (
-                StatusCode::PAYLOAD_TOO_LARGE,
+                413,
                 BODY_TOO_LARGE,
                 "Request body too large",
-                code::RESOURCE_EXHAUSTED,
+                ResourceExhausted,
             ),
             BodyTimeout { .. } => (
-                StatusCode::REQUEST_TIMEOUT,
+                408,
                 BODY_TIMEOUT,
                 "Request body timed out",
-                code::DEADLINE_EXCEEDED,
+                DeadlineExceeded,
             ),
             BodyUnreadable => (
-                StatusCode::BAD_REQUEST,
+                400,
                 BODY_UNREADABLE,
                 "Request body unreadable",
-                code::INVALID_ARGUMENT,
+                InvalidArgument,
             ),
             Mismatch => (
-                StatusCode::UNPROCESSABLE_ENTITY,
+                422,
                 KEY_MISMATCH,
                 "Idempotency key reused with a different request",
-                code::FAILED_PRECONDITION,
+                FailedPrecondition,
             ),
-            InFlight { .. } => (
-                StatusCode::CONFLICT,
-                IN_FLIGHT,
-                "Request in progress",
-                code::ABORTED,
-            ),
+            InFlight { .. } => (409, IN_FLIGHT, "Request in progress", Aborted),
             NotAcceptable { .. } => (
-                StatusCode::NOT_ACCEPTABLE,
+                406,
                 REPLAY_NOT_ACCEPTABLE,
                 "Stored response not acceptable",
-                code::FAILED_PRECONDITION,
+                FailedPrecondition,
             ),
             ResponseNotStored { .. } => (
-                StatusCode::CONFLICT,
+                409,
                 RESPONSE_NOT_STORED,
                 "Response not stored",
-                code::FAILED_PRECONDITION,
+                FailedPrecondition,
             ),
-            OutcomeUnknown => (
-                StatusCode::CONFLICT,
-                OUTCOME_UNKNOWN,
-                "Outcome unknown",
-                code::FAILED_PRECONDITION,
-            ),
+            OutcomeUnknown => (409, OUTCOME_UNKNOWN, "Outcome unknown", FailedPrecondition),
             StoreUnavailable => (
-                StatusCode::SERVICE_UNAVAILABLE,
+                503,
                 STORE_UNAVAILABLE,
                 "Idempotency store unavailable",
-                code::UNAVAILABLE,
+                Unavailable,
             ),
-            HandlerFailed => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                HANDLER_FAILED,
-                "Request failed",
-                code::INTERNAL,
-            ),
-        }
+            HandlerFailed => (500, HANDLER_FAILED, "Request failed", Internal),
+        };
+        let status = StatusCode::from_u16(status).expect("the statuses above are valid");
+        (status, type_uri, title, code)
     }
 
     fn detail(&self) -> String {
@@ -272,7 +243,7 @@ pub struct Problem {
     key: Option<IdempotencyKey>,
     retry_after: Option<Duration>,
     replayed: bool,
-    grpc_code: u8,
+    grpc_code: Code,
 }
 
 impl Problem {
@@ -344,37 +315,19 @@ impl Problem {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         if self.replayed {
-            headers.insert(
-                crate::protocol::IDEMPOTENT_REPLAYED,
-                HeaderValue::from_static("true"),
-            );
+            headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
         }
     }
 
     /// The rendering for a gRPC caller: a trailers-only response with `grpc-status`,
     /// `grpc-message` and, when retrying helps, `grpc-retry-pushback-ms`.
     pub(crate) fn to_grpc_response(&self) -> http::Response<Bytes> {
-        let mut response = http::Response::new(Bytes::new());
-        let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/grpc"),
-        );
-        headers.insert("grpc-status", HeaderValue::from(u16::from(self.grpc_code)));
-        headers.insert("grpc-message", percent_encode(&self.detail));
-        if let Some(after) = self.retry_after {
-            headers.insert(
-                "grpc-retry-pushback-ms",
-                HeaderValue::from(after.as_millis().max(1) as u64),
-            );
-        }
-        if self.replayed {
-            headers.insert(
-                crate::protocol::IDEMPOTENT_REPLAYED,
-                HeaderValue::from_static("true"),
-            );
-        }
-        response
+        grpc::status_response(
+            self.grpc_code,
+            &self.detail,
+            self.retry_after,
+            self.replayed,
+        )
     }
 }
 
@@ -388,19 +341,6 @@ impl fmt::Display for Problem {
             self.detail
         )
     }
-}
-
-/// `grpc-message` is percent-encoded: every byte outside printable ASCII, and `%` itself.
-fn percent_encode(message: &str) -> HeaderValue {
-    let mut out = String::with_capacity(message.len());
-    for &b in message.as_bytes() {
-        if (0x20..=0x7e).contains(&b) && b != b'%' {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    HeaderValue::try_from(out).expect("percent-encoded text is a valid header value")
 }
 
 #[cfg(test)]
@@ -445,7 +385,6 @@ mod tests {
         assert!(response.body().is_empty());
         let message = response.headers()["grpc-message"].to_str().unwrap();
         assert!(message.contains("different method"), "{message}");
-        assert_eq!(percent_encode("50% é"), "50%25 %C3%A9");
         let pushback = Rejection::InFlight {
             retry_after: Duration::from_millis(250),
         }

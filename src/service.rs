@@ -15,10 +15,9 @@ use crate::{
     IdempotencyKey,
     body::{RequestBody, ResponseBody},
     future::ResponseFuture,
-    layer::Config,
-    policy::is_grpc,
+    grpc,
     problem::Rejection,
-    protocol,
+    protocol::{self, Engine},
     store::{BoxError, RecordKey},
 };
 
@@ -33,12 +32,12 @@ use crate::{
 #[derive(Clone)]
 pub struct Idempotency<S> {
     inner: S,
-    config: Arc<Config>,
+    engine: Arc<Engine>,
 }
 
 impl<S> Idempotency<S> {
-    pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
-        Self { inner, config }
+    pub(crate) fn new(inner: S, engine: Arc<Engine>) -> Self {
+        Self { inner, engine }
     }
 
     /// The inner service.
@@ -81,19 +80,14 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        if !self.config.methods.contains(request.method()) {
-            return ResponseFuture::passthrough(
-                self.inner.call(request.map(RequestBody::passthrough)),
-            );
+        let settings = &self.engine.settings;
+        if !settings.methods.contains(request.method()) {
+            return self.pass_through(request);
         }
-        let grpc = is_grpc(request.headers());
-        let key = match IdempotencyKey::from_headers(request.headers(), &self.config.header) {
+        let grpc = grpc::is_grpc(request.headers());
+        let key = match IdempotencyKey::from_headers(request.headers(), &settings.key_header) {
             Ok(Some(key)) => key,
-            Ok(None) if !self.config.require_key => {
-                return ResponseFuture::passthrough(
-                    self.inner.call(request.map(RequestBody::passthrough)),
-                );
-            }
+            Ok(None) if !settings.key_required => return self.pass_through(request),
             Ok(None) => return self.reject(Rejection::MissingKey, None, grpc, request_span()),
             Err(error) => {
                 return self.reject(Rejection::InvalidKey(error), None, grpc, request_span());
@@ -102,12 +96,9 @@ where
         // A span per guarded request, the caller's span its parent: the layer's events and the
         // handler's run inside it. Key and scope appear as pseudonyms unless configured not to.
         let span = request_span();
-        span.record(
-            "key",
-            tracing::field::display(self.config.shown(key.as_str())),
-        );
+        span.record("key", tracing::field::display(settings.shown(key.as_str())));
         let (parts, body) = request.into_parts();
-        let Some(scope) = (self.config.scope)(&parts) else {
+        let Some(scope) = (settings.scope)(&parts) else {
             span.in_scope(|| {
                 tracing::error!(
                     "no idempotency scope for this request: is the layer that authenticates \
@@ -116,22 +107,24 @@ where
             });
             return self.reject(Rejection::NoScope, Some(&key), grpc, span);
         };
-        span.record("scope", tracing::field::display(self.config.shown(&scope)));
+        span.record("scope", tracing::field::display(settings.shown(&scope)));
         // The service that was driven to readiness is the one that must be called, and it moves
         // into the task; a clone stays here. See tower-service's "Be careful when cloning inner
         // services".
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let (reply, receiver) = oneshot::channel();
+        let record = Arc::new(RecordKey::new(scope, key));
         // Boxed at once: the work's state is kilobytes, and moves through no wrapper.
         let work = Box::pin(protocol::run(
-            Arc::clone(&self.config),
+            Arc::clone(&self.engine),
             inner,
-            RecordKey::new(scope, key),
+            Arc::clone(&record),
             Request::from_parts(parts, body),
             reply,
         ));
-        ResponseFuture::guarded(work, receiver, span)
+        let engine = Arc::clone(&self.engine);
+        ResponseFuture::guarded(work, receiver, span, engine, record, grpc)
     }
 }
 
@@ -147,6 +140,17 @@ fn request_span() -> tracing::Span {
 }
 
 impl<S> Idempotency<S> {
+    /// Hands a request the layer does not guard to the inner service, untouched.
+    fn pass_through<ReqBody, ResBody>(
+        &mut self,
+        request: Request<ReqBody>,
+    ) -> ResponseFuture<S::Future, ResBody, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    {
+        ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::passthrough)))
+    }
+
     fn reject<B, F, E>(
         &self,
         rejection: Rejection,
@@ -154,7 +158,7 @@ impl<S> Idempotency<S> {
         grpc: bool,
         span: tracing::Span,
     ) -> ResponseFuture<F, B, E> {
-        let response = span.in_scope(|| protocol::respond(&self.config, rejection, key, grpc));
+        let response = span.in_scope(|| self.engine.respond(rejection, key, grpc));
         ResponseFuture::ready(response)
     }
 }

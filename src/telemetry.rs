@@ -1,12 +1,15 @@
-//! What operators see: metrics through the `metrics` facade (feature `metrics`), the layer's
-//! events, and keys in logs as pseudonyms.
+//! What operators see: the layer's own [`Counters`], metrics through the `metrics` facade
+//! (feature `metrics`), and keys in logs as pseudonyms.
+//!
+//! Every event is recorded in one place, which counts it in both: the process-local
+//! [`Counters`] of the layer ([`IdempotencyLayer::counters`](crate::IdempotencyLayer::counters)),
+//! kept whatever the features, and the facade's metrics below.
 //!
 //! # Metrics
 //!
 //! With the `metrics` feature the crate records these through the [`metrics`] facade; install
 //! any recorder (`metrics-exporter-prometheus`, say) to export them. Without a recorder, or
-//! without the feature, they cost nothing. [`Metrics`](crate::Metrics) keeps process-local
-//! counters either way.
+//! without the feature, they cost nothing.
 //!
 //! | name | kind | labels | what it counts |
 //! |---|---|---|---|
@@ -25,23 +28,181 @@
 //!
 //! [`metrics`]: https://docs.rs/metrics
 
-use std::{fmt, time::Duration};
+use std::{
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+    time::Duration,
+};
 
 use sha2::{Digest, Sha256};
 
 use crate::IdempotencyOutcome;
 
-/// Counts a guarded request's outcome.
-pub(crate) fn answered(outcome: IdempotencyOutcome, store: &'static str) {
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_requests_total", "outcome" => outcome.as_str(), "store" => store)
-        .increment(1);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (outcome, store);
+macro_rules! counters {
+    ($($(#[$doc:meta])* $name:ident,)*) => {
+        /// Live counters shared by every service a layer built; read them with
+        /// [`snapshot`](Counters::snapshot). Get them from [`IdempotencyLayer::counters`](crate::IdempotencyLayer::counters).
+        #[derive(Debug, Default)]
+        pub struct Counters {
+            $(pub(crate) $name: AtomicU64,)*
+        }
+
+        /// The counters at one instant.
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        #[non_exhaustive]
+        pub struct CountersSnapshot {
+            $($(#[$doc])* pub $name: u64,)*
+        }
+
+        impl Counters {
+            /// Reads every counter.
+            pub fn snapshot(&self) -> CountersSnapshot {
+                CountersSnapshot { $($name: self.$name.load(Relaxed),)* }
+            }
+
+            fn add(&self, pick: impl FnOnce(&Self) -> &AtomicU64) {
+                pick(self).fetch_add(1, Relaxed);
+            }
+        }
+    };
+}
+
+counters! {
+    /// Requests whose claim acquired the key, so the handler ran.
+    executions,
+    /// Stored responses replayed.
+    replays,
+    /// Keys completed (response stored).
+    completions,
+    /// Keys released for a clean retry.
+    releases,
+    /// Requests that found their key in flight and waited for the first request to finish.
+    waits,
+    /// 409 answers to a request whose key was still in flight after the wait (or committed by an
+    /// owner that died before storing its response).
+    in_flight,
+    /// 422 answers to a key reused with a different request.
+    mismatches,
+    /// 400 answers to a missing or invalid key, or an unreadable body.
+    bad_requests,
+    /// 413 answers to a body over the limit.
+    too_large,
+    /// 503 answers because the store failed; the handler did not run.
+    store_unavailable,
+    /// Responses over the cache limit, recorded without their body.
+    responses_not_stored,
+    /// Renewals or finalizations refused because the lease had been lost: the stale owner wrote
+    /// nothing. Worth an alert: lease too short, or instances stalling.
+    leases_lost,
+    /// Finalizations that still failed after the first quick retries: the response is then
+    /// retried in the background, with the key held, until the finalize deadline.
+    finalize_errors,
+    /// Handlers that panicked or returned a service error.
+    handler_failures,
+}
+
+/// Where a layer's services record what they do: each event counted in the layer's
+/// [`Counters`] and, with the `metrics` feature, in the facade, labelled with the store kind.
+#[derive(Debug, Clone)]
+pub(crate) struct Telemetry {
+    counters: Arc<Counters>,
+    store: &'static str,
+}
+
+impl Telemetry {
+    pub(crate) fn new(counters: Arc<Counters>, store: &'static str) -> Self {
+        Self { counters, store }
+    }
+
+    /// A guarded request's outcome: `idempotency_requests_total`, and the counter of the
+    /// layer's answer it stands for.
+    pub(crate) fn answered(&self, outcome: IdempotencyOutcome) {
+        use IdempotencyOutcome as O;
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idempotency_requests_total", "outcome" => outcome.as_str(), "store" => self.store)
+            .increment(1);
+        let c = &self.counters;
+        let counter = match outcome {
+            O::Executed => return,
+            O::Replayed | O::ResponseNotStored => &c.replays,
+            O::InFlight | O::OutcomeUnknown => &c.in_flight,
+            O::Mismatch | O::NotAcceptable => &c.mismatches,
+            O::StoreUnavailable => &c.store_unavailable,
+            O::InvalidKey | O::BodyTimeout | O::BodyUnreadable => &c.bad_requests,
+            O::BodyTooLarge => &c.too_large,
+            O::NoScope | O::HandlerFailed => &c.handler_failures,
+        };
+        counter.fetch_add(1, Relaxed);
+    }
+
+    /// A claim acquired its key: the handler runs.
+    pub(crate) fn executing(&self) {
+        self.counters.add(|c| &c.executions);
+    }
+
+    /// A request found its key in flight and waits for the first one.
+    pub(crate) fn waiting(&self) {
+        self.counters.add(|c| &c.waits);
+        count("idempotency_waits_total");
+    }
+
+    /// A key completed (`true`) or released by its owner.
+    pub(crate) fn finalized(&self, completed: bool) {
+        self.counters.add(|c| {
+            if completed {
+                &c.completions
+            } else {
+                &c.releases
+            }
+        });
+    }
+
+    /// A renewal or finalize found the key in another owner's hands.
+    pub(crate) fn lease_lost(&self) {
+        self.counters.add(|c| &c.leases_lost);
+        count("idempotency_leases_lost_total");
+    }
+
+    /// A finalize still failing after the quick retries: retried with the key held.
+    pub(crate) fn finalize_failing(&self) {
+        self.counters.add(|c| &c.finalize_errors);
+        count("idempotency_finalize_failures_total");
+    }
+
+    /// A response over the cache limit, recorded without its body.
+    pub(crate) fn response_not_stored(&self) {
+        self.counters.add(|c| &c.responses_not_stored);
+    }
+
+    /// A handler whose body failed after its head reached the caller (its outcome was already
+    /// reported as executed).
+    pub(crate) fn body_failed(&self) {
+        self.counters.add(|c| &c.handler_failures);
+    }
+
+    /// How long a handler ran.
+    pub(crate) fn handler_took(&self, took: Duration) {
+        #[cfg(feature = "metrics")]
+        metrics::histogram!("idempotency_handler_seconds", "store" => self.store).record(took);
+        #[cfg(not(feature = "metrics"))]
+        let _ = took;
+    }
+
+    /// Runs a store call, timing it and counting it if it fails.
+    pub(crate) async fn timed<T, E>(
+        &self,
+        operation: &'static str,
+        call: impl std::future::Future<Output = Result<T, E>>,
+    ) -> Result<T, E> {
+        timed(operation, self.store, call).await
+    }
 }
 
 /// Runs a store call, timing it and counting it if it fails.
-pub(crate) async fn timed<T, E>(
+async fn timed<T, E>(
     operation: &'static str,
     store: &'static str,
     call: impl std::future::Future<Output = Result<T, E>>,
@@ -65,13 +226,6 @@ pub(crate) async fn timed<T, E>(
     }
 }
 
-pub(crate) fn handler_took(store: &'static str, took: Duration) {
-    #[cfg(feature = "metrics")]
-    metrics::histogram!("idempotency_handler_seconds", "store" => store).record(took);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (store, took);
-}
-
 /// One more (or one fewer) key held by this instance.
 pub(crate) fn claims_held(delta: f64) {
     #[cfg(feature = "metrics")]
@@ -81,7 +235,7 @@ pub(crate) fn claims_held(delta: f64) {
 }
 
 /// A counter without labels.
-pub(crate) fn count(name: &'static str) {
+fn count(name: &'static str) {
     #[cfg(feature = "metrics")]
     metrics::counter!(name).increment(1);
     #[cfg(not(feature = "metrics"))]
@@ -120,10 +274,10 @@ pub(crate) fn breaker(open: bool) {
 /// A key or scope as logs show it: a pseudonym (`#` and 12 hex digits of its SHA-256), the same
 /// on every instance, so an operator can follow one key through the logs without the key (a
 /// customer's order number, a tenant's name) appearing in them. It is not encryption: a guessable
-/// key can be found by hashing guesses. [`IdempotencyLayer::log_keys_in_clear`] shows them as
+/// key can be found by hashing guesses. [`IdempotencyLayer::with_clear_keys_in_logs`] shows them as
 /// they are.
 ///
-/// [`IdempotencyLayer::log_keys_in_clear`]: crate::IdempotencyLayer::log_keys_in_clear
+/// [`IdempotencyLayer::with_clear_keys_in_logs`]: crate::IdempotencyLayer::with_clear_keys_in_logs
 pub(crate) struct Pseudonym<'a> {
     pub(crate) value: &'a str,
     pub(crate) clear: bool,

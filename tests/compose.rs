@@ -325,7 +325,7 @@ async fn a_fingerprint_hook_decides_what_of_the_body_counts() {
 #[tokio::test]
 async fn a_problem_hook_renders_the_house_envelope_and_keeps_retry_after() {
     let layer = IdempotencyLayer::new(MemoryStore::new())
-        .require_key(true)
+        .with_key_required(true)
         .with_problem_response(|problem| {
             let body = serde_json::json!({
                 "error": { "code": problem.type_uri(), "message": problem.detail() }
@@ -362,8 +362,8 @@ async fn a_legacy_header_name_carries_the_key() {
         .route("/payments", post(pay))
         .layer(
             IdempotencyLayer::new(MemoryStore::new())
-                .with_header(http::HeaderName::from_static("x-idempotency-key"))
-                .require_key(true),
+                .with_key_header(http::HeaderName::from_static("x-idempotency-key"))
+                .with_key_required(true),
         )
         .with_state(runs.clone());
     let legacy = || post_with("/payments", &[("x-idempotency-key", "k-legacy")], "{}");

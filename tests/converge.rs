@@ -146,7 +146,7 @@ async fn a_store_that_cannot_finalize_keeps_the_key_until_it_can() {
         effects.of("k-finalize")
     );
     assert_eq!(effects.of("k-finalize"), 1);
-    assert_eq!(layer.metrics().snapshot().finalize_errors, 1);
+    assert_eq!(layer.counters().snapshot().finalize_errors, 1);
     schema.drop().await;
 }
 

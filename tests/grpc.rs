@@ -234,7 +234,7 @@ async fn behaves_like_http(layer: IdempotencyLayer) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_on_the_memory_store() {
-    behaves_like_http(IdempotencyLayer::new(MemoryStore::new()).require_key(true)).await;
+    behaves_like_http(IdempotencyLayer::new(MemoryStore::new()).with_key_required(true)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -246,7 +246,7 @@ async fn grpc_on_redis_in_front_of_postgres() {
     let store = TieredStore::new(redis, PostgresStore::new(schema.pool.clone()));
     behaves_like_http(
         IdempotencyLayer::new(store)
-            .require_key(true)
+            .with_key_required(true)
             .with_lease(Duration::from_secs(10)),
     )
     .await;

@@ -183,7 +183,7 @@ async fn a_duplicate_on_another_instance_waits_for_the_first_and_gets_its_answer
     assert!(duplicate.replayed());
     assert_eq!(duplicate.body, first.body);
     assert_eq!(probe.runs(), 1);
-    assert_eq!(b_layer.metrics().snapshot().waits, 1);
+    assert_eq!(b_layer.counters().snapshot().waits, 1);
 }
 
 #[tokio::test]
@@ -406,7 +406,7 @@ async fn missing_key_passes_through_unless_required() {
     );
 
     let required = app(
-        &IdempotencyLayer::new(MemoryStore::new()).require_key(true),
+        &IdempotencyLayer::new(MemoryStore::new()).with_key_required(true),
         &probe,
     );
     let answer = send(&required, unkeyed()).await;
@@ -567,6 +567,68 @@ async fn a_panic_is_a_500_and_the_retry_runs_cleanly() {
     assert_eq!(probe.runs(), 2);
 }
 
+/// Work that panics outside the handler (a fingerprint hook, a completion policy) is answered
+/// like every other answer of the layer: through the problem hook (or as a gRPC status), with
+/// its outcome on the response and in the counters.
+#[tokio::test]
+async fn a_panic_outside_the_handler_is_answered_like_every_other_answer() {
+    let house = |problem: &problem::Problem| {
+        let body = format!(r#"{{"error":"{}"}}"#, problem.type_uri());
+        let mut response = problem.to_response();
+        *response.body_mut() = Bytes::from(body);
+        response.headers_mut().insert(
+            "content-type",
+            HeaderValue::from_static("application/vnd.house+json"),
+        );
+        response
+    };
+    let probe = Probe::open();
+    let hook_panics = IdempotencyLayer::new(MemoryStore::new())
+        .with_fingerprint_body(|_, _| panic!("the fingerprint hook failed on purpose"))
+        .with_problem_response(house);
+    let http_app = app(&hook_panics, &probe);
+    let response = http_app
+        .oneshot(post_payment("k-hook", "{}"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        response
+            .extensions()
+            .get::<tower_idempotency::IdempotencyOutcome>(),
+        Some(&tower_idempotency::IdempotencyOutcome::HandlerFailed)
+    );
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/vnd.house+json"
+    );
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(
+        body,
+        format!(r#"{{"error":"{}"}}"#, problem::HANDLER_FAILED)
+    );
+    assert_eq!(hook_panics.counters().snapshot().handler_failures, 1);
+    assert_eq!(probe.runs(), 0, "the handler never ran");
+
+    let policy_panics = IdempotencyLayer::new(MemoryStore::new()).with_completion_policy(
+        CompletionPolicy::new(|_| panic!("the policy failed on purpose")),
+    );
+    let grpc_app = app(&policy_panics, &probe);
+    let mut grpc_call = post_payment("k-policy", "{}");
+    grpc_call
+        .headers_mut()
+        .insert("content-type", HeaderValue::from_static("application/grpc"));
+    let answer = send(&grpc_app, grpc_call).await;
+    assert_eq!(
+        answer.status,
+        StatusCode::OK,
+        "gRPC statuses travel in headers"
+    );
+    assert_eq!(answer.headers["grpc-status"], "13", "INTERNAL: {answer:?}");
+    assert_eq!(policy_panics.counters().snapshot().handler_failures, 1);
+    assert_eq!(probe.runs(), 1);
+}
+
 #[tokio::test]
 async fn retryable_statuses_release_the_key_and_final_ones_complete_it() {
     let probe = Probe::open();
@@ -611,7 +673,7 @@ async fn the_completion_policy_is_configurable() {
 async fn a_response_over_the_cache_limit_reaches_its_caller_and_never_runs_again() {
     let probe = Probe::open();
     let layer = IdempotencyLayer::new(MemoryStore::new()).with_max_response_body(1024);
-    let metrics = layer.metrics();
+    let metrics = layer.counters();
     let app = app(&layer, &probe);
     let req = || request(Method::POST, "/big", Some("k-big-response"), "");
 
@@ -697,7 +759,7 @@ async fn a_live_handler_keeps_its_lease_past_the_lease_length() {
     probe.release_gate();
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     assert_eq!(probe.runs(), 1);
-    assert_eq!(layer.metrics().snapshot().leases_lost, 0);
+    assert_eq!(layer.counters().snapshot().leases_lost, 0);
 }
 
 #[tokio::test]
@@ -727,7 +789,7 @@ async fn a_stalled_owner_loses_its_lease_and_its_finalize_changes_nothing() {
         StatusCode::CREATED,
         "the stale owner's caller still gets its answer"
     );
-    assert_eq!(stalled_layer.metrics().snapshot().leases_lost, 1);
+    assert_eq!(stalled_layer.counters().snapshot().leases_lost, 1);
 
     let replay = send(&healthy, post_payment("k-stall", "{}")).await;
     assert!(replay.replayed());
@@ -887,7 +949,7 @@ async fn metrics_count_what_happened() {
     send(&app, post_payment("k-metrics", "{}")).await;
     send(&app, post_payment("k-metrics", "{\"other\":1}")).await;
     send(&app, post_payment("", "{}")).await;
-    let counts = layer.metrics().snapshot();
+    let counts = layer.counters().snapshot();
     assert_eq!(counts.executions, 1);
     assert_eq!(counts.completions, 1);
     assert_eq!(counts.replays, 1);

@@ -278,7 +278,7 @@ fn every_answer_the_layer_gives_is_an_event_at_the_chosen_level() {
     let capture = Capture::default();
     observed(&capture, |_| async {
         let layer = IdempotencyLayer::new(MemoryStore::new())
-            .require_key(true)
+            .with_key_required(true)
             .with_max_request_body(8)
             .with_wait(Duration::ZERO)
             .with_answer_log_level(Level::WARN);
@@ -355,7 +355,7 @@ fn logs_never_show_a_key_or_scope_in_clear_unless_asked_to() {
             let layer = IdempotencyLayer::new(TieredStore::new(front, MemoryStore::new()))
                 .with_scope(move |_| Some(tenant.to_owned()))
                 .with_wait(Duration::ZERO)
-                .log_keys_in_clear(clear);
+                .with_clear_keys_in_logs(clear);
             let app = app(layer);
             call(&app, pay(secret, "{}")).await;
             call(&app, pay(secret, "{}")).await;

@@ -290,7 +290,7 @@ async fn a_stalled_handler_that_lost_its_lease_cannot_commit_a_second_payment() 
         [("pay-once".to_owned(), 2)],
         "exactly one business commit"
     );
-    assert_eq!(stalled_layer.metrics().snapshot().leases_lost, 1);
+    assert_eq!(stalled_layer.counters().snapshot().leases_lost, 1);
 
     let (status, headers, body) = post_payment(&healthy, "pay-once").await;
     assert_eq!((status, body.as_str()), (StatusCode::CREATED, "attempt 2"));

@@ -9,18 +9,17 @@ use std::{
 
 use bytes::{Buf, Bytes};
 use futures_util::FutureExt;
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{HeaderMap, Request, Response, StatusCode, response::Parts};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 use tower_service::Service;
 
-use super::{Caller, Outcome, read::concat, render, report, vary_names};
+use super::{Caller, Engine, Outcome, Reply, read::concat};
 use crate::{
     Completion, IdempotencyKey, IdempotencyOutcome, StoredResponse,
     body::{LiveFrame, RequestBody, ResponseBody},
-    future::Reply,
-    layer::Config,
+    headers::varied_request_headers,
     policy::ResponseSummary,
     problem::Rejection,
     store::BoxError,
@@ -40,7 +39,7 @@ pub(super) struct Handled<B, E> {
 /// and answered after finalizing; a larger one streams to the caller as it is produced and is
 /// stored without its body. Panics and service errors become a 500 that releases the key.
 pub(super) async fn handle<S, ReqBody, ResBody>(
-    config: &Config,
+    engine: &Engine,
     mut inner: S,
     request: Request<RequestBody<ReqBody>>,
     request_headers: &HeaderMap,
@@ -61,97 +60,124 @@ where
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
             tracing::warn!("handler returned a service error; releasing the key");
-            return failed(config, key, grpc, reply, Some(error));
+            return failed(engine, key, grpc, reply, Some(error));
         }
         Err(_panic) => {
             tracing::error!("handler panicked; releasing the key");
-            return failed(config, key, grpc, reply, None);
+            return failed(engine, key, grpc, reply, None);
         }
     };
-
     let (parts, body) = response.into_parts();
     if parts.status == StatusCode::REQUEST_TIMEOUT && !grpc {
-        warn_inner_timeout(config);
-    }
-    let headers = config.store_rules.headers(&parts.headers);
-    let mut varied = HeaderMap::new();
-    for name in vary_names(&parts.headers) {
-        for value in request_headers.get_all(&name) {
-            varied.append(name.clone(), value.clone());
-        }
+        warn_inner_timeout(engine);
     }
     let hint = body.size_hint();
     let mut body = pin!(body);
-    let mut chunks = Vec::new();
-    let mut len = 0;
-    let mut trailers = None;
-    let overflow = loop {
-        match next_frame(body.as_mut()).await {
-            Next::Data(data) if len + data.len() > config.store_rules.max_body => break data,
-            Next::Data(data) => {
-                len += data.len();
-                chunks.push(data);
+    match read_within_limit(engine, body.as_mut()).await {
+        Read::Whole { data, trailers } => {
+            let (outcome, answer) = stored_whole(engine, parts, request_headers, data, trailers);
+            Handled {
+                outcome,
+                answer: Some((reply, Ok(answer))),
             }
-            Next::Trailers(t) => trailers = Some(t),
-            Next::End => {
-                let data = concat(chunks);
-                let completion = config.policy.decide(&ResponseSummary {
-                    status: parts.status,
-                    headers: &parts.headers,
-                    trailers: trailers.as_ref(),
-                });
-                let stored = StoredResponse::new(
-                    parts.status,
-                    headers,
-                    Some(data.clone()),
-                    trailers.clone(),
-                )
-                .with_varied_request_headers(varied);
-                let mut answer = Response::from_parts(parts, ResponseBody::full(data, trailers));
-                report(config, IdempotencyOutcome::Executed, &mut answer);
-                return Handled {
-                    outcome: Outcome {
-                        response: stored,
-                        completion,
-                    },
-                    answer: Some((reply, Ok(answer))),
-                };
-            }
-            // Nothing reached the caller yet: it gets a clean 500 instead of a torn body.
-            Next::Failed(_) => return failed(config, key, grpc, reply, None),
         }
-    };
+        // Nothing reached the caller yet: it gets a clean 500 instead of a torn body.
+        Read::Failed => failed(engine, key, grpc, reply, None),
+        // Over the cache limit: rare, and a large state of its own, so boxed apart.
+        Read::PastLimit(past) => {
+            Box::pin(stream_past_limit(engine, parts, hint, body, past, reply)).await
+        }
+    }
+}
 
-    // Over the cache limit: rare, and a large state of its own, so boxed apart.
-    let past = PastLimit {
-        status: parts.status,
-        headers,
-        read: chunks,
-        overflow,
-        trailers,
-        len,
-    };
-    Box::pin(stream_past_limit(config, parts, hint, body, past, reply)).await
+/// What reading a response up to the cache limit found.
+enum Read {
+    /// The whole body, within the limit.
+    Whole {
+        data: Bytes,
+        trailers: Option<HeaderMap>,
+    },
+    /// The body went past the limit.
+    PastLimit(PastLimit),
+    /// The body failed or panicked.
+    Failed,
 }
 
 /// What was read of a response when it went past the cache limit.
 struct PastLimit {
-    status: StatusCode,
-    /// The headers to store.
-    headers: HeaderMap,
     read: Vec<Bytes>,
     overflow: Bytes,
     trailers: Option<HeaderMap>,
     len: usize,
 }
 
+/// Reads the response body until its end or the cache limit.
+async fn read_within_limit<B>(engine: &Engine, mut body: Pin<&mut B>) -> Read
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let limit = engine.settings.store_rules.max_body;
+    let (mut read, mut len, mut trailers) = (Vec::new(), 0, None);
+    loop {
+        match next_frame(body.as_mut()).await {
+            Next::Data(overflow) if len + overflow.len() > limit => {
+                let past = PastLimit {
+                    read,
+                    overflow,
+                    trailers,
+                    len,
+                };
+                return Read::PastLimit(past);
+            }
+            Next::Data(data) => {
+                len += data.len();
+                read.push(data);
+            }
+            Next::Trailers(t) => trailers = Some(t),
+            Next::End => {
+                let data = concat(read);
+                return Read::Whole { data, trailers };
+            }
+            Next::Failed(_) => return Read::Failed,
+        }
+    }
+}
+
+/// The outcome of a response read whole, and the answer to send its caller.
+fn stored_whole<B>(
+    engine: &Engine,
+    parts: Parts,
+    request_headers: &HeaderMap,
+    data: Bytes,
+    trailers: Option<HeaderMap>,
+) -> (Outcome, Response<ResponseBody<B>>) {
+    let settings = &engine.settings;
+    let completion = settings.policy.decide(&ResponseSummary {
+        status: parts.status,
+        headers: &parts.headers,
+        trailers: trailers.as_ref(),
+    });
+    let headers = settings.store_rules.headers(&parts.headers);
+    let varied = varied_request_headers(&parts.headers, request_headers);
+    let stored = StoredResponse::new(parts.status, headers, Some(data.clone()), trailers.clone())
+        .with_varied_request_headers(varied);
+    let mut answer = Response::from_parts(parts, ResponseBody::full(data, trailers));
+    engine.report(IdempotencyOutcome::Executed, &mut answer);
+    let outcome = Outcome {
+        response: stored,
+        completion,
+    };
+    (outcome, answer)
+}
+
 /// Streams a response over the cache limit to the caller as it is produced (what was read, then
 /// the rest), and stores its outcome without the body.
 async fn stream_past_limit<B, E>(
-    config: &Config,
-    parts: http::response::Parts,
+    engine: &Engine,
+    parts: Parts,
     hint: SizeHint,
-    mut body: Pin<&mut B>,
+    body: Pin<&mut B>,
     past: PastLimit,
     reply: Caller<B, E>,
 ) -> Handled<B, E>
@@ -159,19 +185,53 @@ where
     B: Body,
     B::Error: Into<BoxError>,
 {
-    let PastLimit {
+    let settings = &engine.settings;
+    let status = parts.status;
+    let all_headers = parts.headers.clone();
+    let headers = settings.store_rules.headers(&parts.headers);
+    let (frames, receiver) = mpsc::channel::<LiveFrame>(RELAY_FRAMES);
+    let mut head = Response::from_parts(parts, ResponseBody::live(receiver, &hint));
+    engine.report(IdempotencyOutcome::Executed, &mut head);
+    let _ = reply.send(Ok(head));
+    let Some((len, trailers)) = relay_all(body, past, frames).await else {
+        engine.telemetry.body_failed();
+        let response = StoredResponse::new(status, headers, None, None);
+        return without_answer(response, Completion::Release);
+    };
+    engine.telemetry.response_not_stored();
+    tracing::warn!(
+        bytes = len,
+        limit = settings.store_rules.max_body,
+        "response over the cache limit; storing the outcome without its body"
+    );
+    let completion = settings.policy.decide(&ResponseSummary {
         status,
-        headers,
+        headers: &all_headers,
+        trailers: trailers.as_ref(),
+    });
+    without_answer(
+        StoredResponse::new(status, headers, None, trailers),
+        completion,
+    )
+}
+
+/// Relays what was read and the rest of the body to the caller: the body's length and
+/// trailers, or `None` if it failed (the caller then gets the error in place of the rest).
+async fn relay_all<B>(
+    mut body: Pin<&mut B>,
+    past: PastLimit,
+    frames: mpsc::Sender<LiveFrame>,
+) -> Option<(usize, Option<HeaderMap>)>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let PastLimit {
         read,
         overflow,
         mut trailers,
         mut len,
     } = past;
-    let (frames, receiver) = mpsc::channel::<LiveFrame>(RELAY_FRAMES);
-    let all_headers = parts.headers.clone();
-    let mut head = Response::from_parts(parts, ResponseBody::live(receiver, &hint));
-    report(config, IdempotencyOutcome::Executed, &mut head);
-    let _ = reply.send(Ok(head));
     let mut caller = Some(frames);
     for data in read.into_iter().chain([overflow]) {
         len += data.len();
@@ -187,34 +247,20 @@ where
                 trailers = Some(t.clone());
                 relay(&mut caller, Ok(Frame::trailers(t))).await;
             }
-            Next::End => break,
+            Next::End => return Some((len, trailers)),
             Next::Failed(error) => {
                 relay(&mut caller, Err(error)).await;
-                config.metrics.add(|m| &m.handler_failures);
-                return Handled {
-                    outcome: Outcome {
-                        response: StoredResponse::new(status, headers, None, None),
-                        completion: Completion::Release,
-                    },
-                    answer: None,
-                };
+                return None;
             }
         }
     }
-    config.metrics.add(|m| &m.responses_not_stored);
-    tracing::warn!(
-        bytes = len,
-        limit = config.store_rules.max_body,
-        "response over the cache limit; storing the outcome without its body"
-    );
-    let completion = config.policy.decide(&ResponseSummary {
-        status,
-        headers: &all_headers,
-        trailers: trailers.as_ref(),
-    });
+}
+
+/// What a handler whose caller has its answer already left to store.
+fn without_answer<B, E>(response: StoredResponse, completion: Completion) -> Handled<B, E> {
     Handled {
         outcome: Outcome {
-            response: StoredResponse::new(status, headers, None, trailers),
+            response,
             completion,
         },
         answer: None,
@@ -223,8 +269,8 @@ where
 
 /// A timeout layer inside this one answers 408 and drops (cancels) the handler this layer promised
 /// to run to completion; a released key then runs again on every retry. Said once per layer.
-fn warn_inner_timeout(config: &Config) {
-    if !config.shared.warned_inner_timeout.swap(true, Relaxed) {
+fn warn_inner_timeout(engine: &Engine) {
+    if !engine.state.warned_inner_timeout.swap(true, Relaxed) {
         tracing::warn!(
             "the inner service answered 408 Request Timeout: if a timeout layer sits inside \
              IdempotencyLayer it cancels handlers mid-way and every retry starts them again; \
@@ -278,14 +324,15 @@ where
 /// A handler that panicked or failed: a 500 problem that releases the key (and is stored if the
 /// handler had committed). The caller gets the service's error if there is one, else the problem.
 fn failed<B, E>(
-    config: &Config,
+    engine: &Engine,
     key: &IdempotencyKey,
     grpc: bool,
     reply: Caller<B, E>,
     error: Option<E>,
 ) -> Handled<B, E> {
-    config.metrics.add(|m| &m.handler_failures);
-    let (parts, body) = render(config, Rejection::HandlerFailed, Some(key), grpc).into_parts();
+    let answers = &engine.settings.answers;
+    let rendered = answers.render(Rejection::HandlerFailed, Some(key), grpc);
+    let (parts, body) = rendered.into_parts();
     let stored = StoredResponse::new(
         parts.status,
         parts.headers.clone(),
@@ -294,13 +341,12 @@ fn failed<B, E>(
     );
     let answer = match error {
         Some(error) => {
-            tracing::Span::current().record("outcome", IdempotencyOutcome::HandlerFailed.as_str());
-            crate::telemetry::answered(IdempotencyOutcome::HandlerFailed, config.store.kind());
+            answers.record(&engine.telemetry, IdempotencyOutcome::HandlerFailed);
             Err(error)
         }
         None => {
             let mut answer = Response::from_parts(parts, ResponseBody::full(body, None));
-            report(config, IdempotencyOutcome::HandlerFailed, &mut answer);
+            engine.report(IdempotencyOutcome::HandlerFailed, &mut answer);
             Ok(answer)
         }
     };

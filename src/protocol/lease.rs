@@ -7,9 +7,9 @@ use std::{
 
 use tokio::{task::JoinHandle, time::Instant};
 
+use super::Engine;
 use crate::{
     Completion, StoredResponse,
-    layer::Config,
     store::{Lease, Ownership, StoreError},
 };
 
@@ -55,7 +55,7 @@ struct Held {
 
 /// A lease held for a request, renewed until this is dropped.
 pub(crate) struct Keeper {
-    config: Arc<Config>,
+    engine: Arc<Engine>,
     slot: usize,
 }
 
@@ -63,16 +63,16 @@ static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::
 
 impl Keeper {
     /// Starts renewing `lease` every third of the layer's lease length.
-    pub(crate) async fn start(config: Arc<Config>, lease: Lease) -> Self {
+    pub(crate) async fn start(engine: Arc<Engine>, lease: Lease) -> Self {
         let held = Held {
             lease,
-            length: config.lease,
-            due: Some(Instant::now() + period(config.lease)),
+            length: engine.settings.lease,
+            due: Some(Instant::now() + period(engine.settings.lease)),
             lost: false,
             generation: GENERATION.fetch_add(1, Relaxed),
         };
         let (slot, spawned) = {
-            let mut state = config.shared.leases.lock();
+            let mut state = engine.state.leases.lock();
             let slot = match state.free.pop() {
                 Some(slot) => {
                     state.held[slot] = Some(held);
@@ -85,7 +85,7 @@ impl Keeper {
             };
             let running = state.keeper.as_ref().is_some_and(|k| !k.is_finished());
             if !running {
-                state.keeper = Some(tokio::spawn(keep(Arc::clone(&config))));
+                state.keeper = Some(tokio::spawn(keep(Arc::clone(&engine))));
             }
             (slot, !running)
         };
@@ -96,12 +96,12 @@ impl Keeper {
             // this worker starts.
             tokio::task::yield_now().await;
         }
-        Self { config, slot }
+        Self { engine, slot }
     }
 
     /// Whether a renewal found the key in another owner's hands.
     pub(crate) fn lost(&self) -> bool {
-        self.config.shared.leases.lock().held[self.slot]
+        self.engine.state.leases.lock().held[self.slot]
             .as_ref()
             .is_some_and(|held| held.lost)
     }
@@ -110,7 +110,7 @@ impl Keeper {
 impl Drop for Keeper {
     fn drop(&mut self) {
         crate::telemetry::claims_held(-1.0);
-        let mut state = self.config.shared.leases.lock();
+        let mut state = self.engine.state.leases.lock();
         state.held[self.slot] = None;
         state.free.push(self.slot);
     }
@@ -130,14 +130,14 @@ fn period(lease: Duration) -> Duration {
 /// The keeper: renews what is due, sleeps until the next is, and ends after a lease without any
 /// lease to keep. Each renewal runs in a task of its own, so a slow store delays no other.
 /// Requests shorter than a third of their lease never come due: for them a slot was all.
-async fn keep(config: Arc<Config>) {
+async fn keep(engine: Arc<Engine>) {
     let mut idle_since = Instant::now();
     loop {
         let now = Instant::now();
-        let mut next = now + period(config.lease);
+        let mut next = now + period(engine.settings.lease);
         let mut due = Vec::new();
         {
-            let mut state = config.shared.leases.lock();
+            let mut state = engine.state.leases.lock();
             let mut holding = false;
             for (slot, held) in state.held.iter_mut().enumerate() {
                 let Some(held) = held else { continue };
@@ -153,14 +153,14 @@ async fn keep(config: Arc<Config>) {
             }
             if holding {
                 idle_since = now;
-            } else if now - idle_since >= config.lease {
+            } else if now - idle_since >= engine.settings.lease {
                 // Nothing held for a whole lease: let the task go. The next lease starts another.
                 state.keeper = None;
                 return;
             }
         }
         for (slot, generation, lease, length) in due {
-            tokio::spawn(renew(Arc::clone(&config), slot, generation, lease, length));
+            tokio::spawn(renew(Arc::clone(&engine), slot, generation, lease, length));
         }
         tokio::time::sleep_until(next).await;
     }
@@ -169,26 +169,26 @@ async fn keep(config: Arc<Config>) {
 /// One renewal; schedules the next one, or marks the lease lost. A record locked by the
 /// handler's own fence transaction is tried again every 20 ms, so that the lease is fresh as
 /// soon as that transaction ends.
-async fn renew(config: Arc<Config>, slot: usize, generation: u64, lease: Lease, length: Duration) {
-    let still_held = |config: &Config| {
-        config.shared.leases.lock().held[slot]
+async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, length: Duration) {
+    let still_held = |engine: &Engine| {
+        engine.state.leases.lock().held[slot]
             .as_ref()
             .is_some_and(|h| h.generation == generation)
     };
     let next = loop {
-        let renewed = config.store.renew(&lease, length);
-        match crate::telemetry::timed("renew", config.store.kind(), renewed).await {
+        let renewed = engine.settings.store.renew(&lease, length);
+        match engine.telemetry.timed("renew", renewed).await {
             Ok(Ownership::Held) => break Some(period(length)),
             Ok(Ownership::Busy) => {
                 tokio::time::sleep(BUSY_RETRY.min(period(length))).await;
-                if !still_held(&config) {
+                if !still_held(&engine) {
                     return;
                 }
             }
             Ok(_) => break None,
             Err(error) => {
                 tracing::warn!(
-                    record = %config.shown_record(lease.record()),
+                    record = %engine.settings.shown_record(lease.record()),
                     error = &error as &dyn std::error::Error,
                     "lease renewal failed; retrying"
                 );
@@ -196,7 +196,7 @@ async fn renew(config: Arc<Config>, slot: usize, generation: u64, lease: Lease, 
             }
         }
     };
-    let mut state = config.shared.leases.lock();
+    let mut state = engine.state.leases.lock();
     let Some(held) = state.held[slot]
         .as_mut()
         .filter(|h| h.generation == generation)
@@ -209,10 +209,9 @@ async fn renew(config: Arc<Config>, slot: usize, generation: u64, lease: Lease, 
         None => {
             held.lost = true;
             drop(state);
-            config.metrics.add(|m| &m.leases_lost);
-            crate::telemetry::count("idempotency_leases_lost_total");
+            engine.telemetry.lease_lost();
             tracing::warn!(
-                record = %config.shown_record(lease.record()),
+                record = %engine.settings.shown_record(lease.record()),
                 owner = %lease.owner(),
                 "lease lost while the handler runs; its outcome will not be stored"
             );
@@ -232,14 +231,14 @@ pub(crate) enum Finalized {
 /// Completes or releases the key, owner-checked; a committed key is completed whatever the
 /// policy. A few quick attempts; a store that still fails leaves it to [`finalize_later`].
 pub(crate) async fn finalize(
-    config: &Config,
+    engine: &Engine,
     lease: &Lease,
     response: &StoredResponse,
     completion: Completion,
 ) -> Finalized {
     let mut delay = Duration::from_millis(50);
     for attempt in 1..=QUICK_ATTEMPTS {
-        match finalize_once(config, lease, response, completion).await {
+        match finalize_once(engine, lease, response, completion).await {
             Ok(()) => return Finalized::Done,
             Err(error) => {
                 tracing::warn!(
@@ -264,20 +263,19 @@ const QUICK_ATTEMPTS: u32 = 3;
 /// lease is lost, or the layer's finalize deadline passes. The key is never freed for a second
 /// execution while the write is retried: retries of it wait or get 409.
 pub(crate) async fn finalize_later(
-    config: &Config,
+    engine: &Engine,
     lease: &Lease,
     response: &StoredResponse,
     completion: Completion,
     keeper: &Keeper,
 ) -> Finalized {
-    config.metrics.add(|m| &m.finalize_errors);
-    crate::telemetry::count("idempotency_finalize_failures_total");
-    let deadline = Instant::now() + config.finalize_deadline;
+    engine.telemetry.finalize_failing();
+    let deadline = Instant::now() + engine.settings.finalize_deadline;
     let mut delay = Duration::from_millis(250);
     while Instant::now() < deadline && !keeper.lost() {
         tokio::time::sleep(delay.min(deadline - Instant::now())).await;
         delay = (delay * 2).min(Duration::from_secs(5));
-        match finalize_once(config, lease, response, completion).await {
+        match finalize_once(engine, lease, response, completion).await {
             Ok(()) => {
                 tracing::info!("finalized after store failures");
                 return Finalized::Done;
@@ -290,47 +288,44 @@ pub(crate) async fn finalize_later(
             }
         }
     }
-    tracing::error!(deadline = ?config.finalize_deadline, "gave up finalizing; the key frees itself when its lease ends");
+    tracing::error!(deadline = ?engine.settings.finalize_deadline, "gave up finalizing; the key frees itself when its lease ends");
     Finalized::Failing
 }
 
 /// One attempt: `Err` only for a store failure worth retrying.
 async fn finalize_once(
-    config: &Config,
+    engine: &Engine,
     lease: &Lease,
     response: &StoredResponse,
     completion: Completion,
 ) -> Result<(), StoreError> {
-    let (store, kind) = (&config.store, config.store.kind());
+    let (settings, telemetry) = (&engine.settings, &engine.telemetry);
+    let store = &settings.store;
     let complete = || {
-        crate::telemetry::timed(
+        telemetry.timed(
             "complete",
-            kind,
-            store.complete(lease, response, config.retention),
+            store.complete(lease, response, settings.retention),
         )
     };
     let ownership = match completion {
         Completion::Complete => complete().await?,
-        Completion::Release => {
-            match crate::telemetry::timed("release", kind, store.release(lease)).await? {
-                Ownership::Committed => complete().await?,
-                Ownership::Held => {
-                    config.metrics.add(|m| &m.releases);
-                    tracing::debug!("key released");
-                    return Ok(());
-                }
-                other => other,
+        Completion::Release => match telemetry.timed("release", store.release(lease)).await? {
+            Ownership::Committed => complete().await?,
+            Ownership::Held => {
+                telemetry.finalized(false);
+                tracing::debug!("key released");
+                return Ok(());
             }
-        }
+            other => other,
+        },
     };
     match ownership {
         Ownership::Held => {
-            config.metrics.add(|m| &m.completions);
+            telemetry.finalized(true);
             tracing::debug!(status = response.status().as_u16(), "key completed");
         }
         _ => {
-            config.metrics.add(|m| &m.leases_lost);
-            crate::telemetry::count("idempotency_leases_lost_total");
+            engine.telemetry.lease_lost();
             tracing::warn!(owner = %lease.owner(), fence = lease.fence(), "lease lost before finalizing: nothing stored (another attempt holds the key)");
         }
     }

@@ -1,5 +1,11 @@
-//! One guarded request, from its body to its finalized key. Runs in a task of its own.
+//! The engine: one guarded request, from its body to its finalized key, and the live state the
+//! requests of one layer share.
+//!
+//! In the order a request meets them: [`read`] buffers and fingerprints the body, [`claim`]
+//! claims the key (waiting for a duplicate in flight, see [`wait`]), [`lease`] renews the lease
+//! while [`handle`] runs the handler and reads its response, and [`lease`] finalizes the key.
 
+mod claim;
 mod handle;
 mod lease;
 mod read;
@@ -9,42 +15,85 @@ use std::{
     ops::ControlFlow,
     sync::{
         Arc, LazyLock,
-        atomic::{AtomicU64, Ordering::Relaxed},
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
     },
     time::Duration,
 };
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, header};
+use http::{HeaderMap, Request, Response, request::Parts};
 use http_body::Body;
 use tokio::{sync::oneshot, time::Instant};
 use tower_service::Service;
 use uuid::Uuid;
 
-pub(crate) use self::{
-    lease::Leases,
-    wait::{Durations, Waiters},
-};
 use self::{
-    lease::{Finalized, Keeper},
-    wait::Backoff,
+    handle::Handled,
+    lease::{Finalized, Keeper, Leases},
+    wait::{Durations, Waiters},
 };
 use crate::{
     Completion, IdempotencyClaim, IdempotencyKey, IdempotencyOutcome, StoredResponse,
     body::{RequestBody, ResponseBody},
-    future::Reply,
-    layer::Config,
-    policy::is_grpc,
+    grpc,
     problem::Rejection,
-    store::{BoxError, ClaimOutcome, ClaimRequest, RecordKey, StoreError},
-    telemetry,
+    settings::Settings,
+    store::{BoxError, ClaimRequest, Lease, RecordKey},
+    telemetry::Telemetry,
 };
 
-/// The header that marks a replayed response.
-pub(crate) const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+/// What the work on a guarded request sends back to its caller.
+pub(crate) type Reply<B, E> = Result<Response<ResponseBody<B>>, E>;
 
 /// Where the answer to the caller goes.
-type Caller<B, E> = oneshot::Sender<Reply<B, E>>;
+pub(crate) type Caller<B, E> = oneshot::Sender<Reply<B, E>>;
+
+/// What the services of one layer share: its settings, where they record what they do, and
+/// what they learn at run time.
+#[derive(Debug)]
+pub(crate) struct Engine {
+    pub(crate) settings: Settings,
+    pub(crate) telemetry: Telemetry,
+    state: Arc<State>,
+}
+
+/// The live state of one layer's requests, shared by every service it builds.
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    /// Requests waiting for a duplicate of theirs to finish.
+    waiters: Waiters,
+    /// The leases this layer's requests hold, and the task that renews them.
+    leases: Leases,
+    /// Recent handler durations, for `Retry-After` hints.
+    durations: Durations,
+    /// Whether the warning about a timeout layer inside this one was logged.
+    warned_inner_timeout: AtomicBool,
+}
+
+impl Engine {
+    pub(crate) fn new(settings: Settings, telemetry: Telemetry, state: Arc<State>) -> Self {
+        Self {
+            settings,
+            telemetry,
+            state,
+        }
+    }
+
+    /// The layer's own answer to a request, rendered and reported.
+    pub(crate) fn respond<B>(
+        &self,
+        rejection: Rejection,
+        key: Option<&IdempotencyKey>,
+        grpc: bool,
+    ) -> Response<ResponseBody<B>> {
+        (self.settings.answers).respond(&self.telemetry, rejection, key, grpc)
+    }
+
+    /// Reports what the layer did with a request on its answer.
+    fn report<B>(&self, outcome: IdempotencyOutcome, response: &mut Response<B>) {
+        (self.settings.answers).report(&self.telemetry, outcome, response);
+    }
+}
 
 /// What the handler's run left to store.
 struct Outcome {
@@ -53,13 +102,13 @@ struct Outcome {
 }
 
 /// Runs one guarded request: buffer and fingerprint, claim (waiting for a duplicate in flight),
-/// run the handler while another task renews the lease, finalize the key, then answer.
+/// run the handler while the lease is renewed, finalize the key, then answer.
 pub(crate) async fn run<S, ReqBody, ResBody>(
-    config: Arc<Config>,
+    engine: Arc<Engine>,
     inner: S,
-    record: RecordKey,
+    record: Arc<RecordKey>,
     request: Request<ReqBody>,
-    mut reply: Caller<ResBody, S::Error>,
+    reply: Caller<ResBody, S::Error>,
 ) where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     ReqBody: Body,
@@ -67,61 +116,101 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     ResBody: Body,
     ResBody::Error: Into<BoxError>,
 {
-    let grpc = is_grpc(request.headers());
+    let grpc = grpc::is_grpc(request.headers());
     let (parts, body) = request.into_parts();
-    let (body, fingerprint) = match read::read_body(&config, &parts, body).await {
+    let admitted = admit(&engine, record, &parts, body, grpc, reply).await;
+    let Some((lease, body, reply)) = admitted else {
+        return;
+    };
+    let keeper = Keeper::start(Arc::clone(&engine), lease.clone()).await;
+    let handled = execute(&engine, inner, parts, body, &lease, reply, grpc).await;
+    settle(&engine, &lease, handled, keeper).await;
+}
+
+/// Reads the body and claims the key: the lease, the body to run the handler with and the
+/// caller to answer, or `None` once the caller has been answered instead (or has gone).
+async fn admit<B, ResBody, E>(
+    engine: &Engine,
+    record: Arc<RecordKey>,
+    parts: &Parts,
+    body: B,
+    grpc: bool,
+    mut reply: Caller<ResBody, E>,
+) -> Option<(Lease, Bytes, Caller<ResBody, E>)>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let (body, fingerprint) = match read::read_body(&engine.settings, parts, body).await {
         Ok(read) => read,
         Err(rejection) => {
-            let _ = reply.send(Ok(respond(&config, rejection, Some(record.key()), grpc)));
-            return;
+            let answer = engine.respond(rejection, Some(record.key()), grpc);
+            let _ = reply.send(Ok(answer));
+            return None;
         }
     };
-    let claim = ClaimRequest::new(record, fingerprint, owner_token(), config.lease);
-    let wait = wait_budget(&config, &parts.headers);
-    let fence = match claim_or_answer(&config, &claim, &parts.headers, wait, grpc, &mut reply).await
-    {
-        ControlFlow::Continue(fence) => fence,
+    let claim = ClaimRequest::shared(record, fingerprint, owner_token(), engine.settings.lease);
+    let wait = wait_budget(&engine.settings, &parts.headers);
+    let claimed = claim::claim_or_answer(engine, &claim, &parts.headers, wait, grpc, &mut reply);
+    match claimed.await {
+        ControlFlow::Continue(fence) => {
+            engine.telemetry.executing();
+            let lease = claim.lease_with_fence(fence);
+            tracing::Span::current().record("fence", fence);
+            tracing::debug!(owner = %lease.owner(), "claimed; running handler");
+            Some((lease, body, reply))
+        }
         ControlFlow::Break(answer) => {
             if let Some(answer) = answer {
                 let _ = reply.send(Ok(answer));
             }
-            return;
+            None
         }
-    };
-    config.metrics.add(|m| &m.executions);
-    let lease = claim.lease_with_fence(fence);
-    tracing::Span::current().record("fence", fence);
-    tracing::debug!(owner = %lease.owner(), "claimed; running handler");
-    let keeper = Keeper::start(Arc::clone(&config), lease.clone()).await;
+    }
+}
 
+/// Runs the handler on the buffered request, with its claim in the extensions.
+async fn execute<S, ReqBody, ResBody>(
+    engine: &Engine,
+    inner: S,
+    parts: Parts,
+    body: Bytes,
+    lease: &Lease,
+    reply: Caller<ResBody, S::Error>,
+    grpc: bool,
+) -> Handled<ResBody, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ResBody: Body,
+    ResBody::Error: Into<BoxError>,
+{
     // The response may vary on request headers (`Vary`): keep them to store with it.
     let request_headers = parts.headers.clone();
     let mut request = Request::from_parts(parts, RequestBody::buffered(body));
+    let settings = &engine.settings;
     request.extensions_mut().insert(IdempotencyClaim::granted(
         lease.clone(),
-        config.retention,
-        config.lease,
-        Arc::clone(&config.store_rules),
+        settings.retention,
+        settings.lease,
+        Arc::clone(&settings.store_rules),
     ));
     let started = Instant::now();
-    let handled = handle::handle(
-        &config,
-        inner,
-        request,
-        &request_headers,
-        reply,
-        lease.record().key(),
-        grpc,
-    )
-    .await;
+    let key = lease.record().key();
+    let handled = handle::handle(engine, inner, request, &request_headers, reply, key, grpc).await;
     let took = started.elapsed();
-    config.shared.durations.record(took);
-    telemetry::handler_took(config.store.kind(), took);
+    engine.state.durations.record(took);
+    engine.telemetry.handler_took(took);
+    handled
+}
+
+/// Finalizes the key, then answers the caller (if the response was not streamed already), then
+/// keeps finalizing with the key held if the store fails, and wakes this process's duplicates.
+async fn settle<B, E>(engine: &Engine, lease: &Lease, handled: Handled<B, E>, keeper: Keeper) {
     let Outcome {
         response,
         completion,
     } = handled.outcome;
-    let mut finalized = lease::finalize(&config, &lease, &response, completion).await;
+    let mut finalized = lease::finalize(engine, lease, &response, completion).await;
     // Answered only now, so that a caller who has its answer finds the key final: a retry sent
     // the moment it arrives is replayed (or runs again, if released), never refused as in
     // flight. If the store keeps failing, the caller is answered anyway and the write goes on
@@ -130,14 +219,12 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
         let _ = reply.send(answer);
     }
     if let Finalized::Failing = finalized {
-        finalized = Box::pin(lease::finalize_later(
-            &config, &lease, &response, completion, &keeper,
-        ))
-        .await;
+        let later = lease::finalize_later(engine, lease, &response, completion, &keeper);
+        finalized = Box::pin(later).await;
     }
     drop(keeper);
     if let Finalized::Done = finalized {
-        config.shared.waiters.wake(lease.record());
+        engine.state.waiters.wake(lease.record());
     }
 }
 
@@ -151,251 +238,10 @@ fn owner_token() -> Uuid {
 
 /// How long a duplicate may wait for the first request with its key: the layer's budget, within
 /// the deadline a gRPC caller announced (`grpc-timeout`).
-fn wait_budget(config: &Config, headers: &HeaderMap) -> Duration {
-    match headers
-        .get("grpc-timeout")
-        .and_then(|v| grpc_timeout(v.as_bytes()))
-    {
+fn wait_budget(settings: &Settings, headers: &HeaderMap) -> Duration {
+    match grpc::deadline(headers) {
         // Leave the caller a fifth of its deadline to read the answer.
-        Some(deadline) => config.wait.min(deadline * 4 / 5),
-        None => config.wait,
-    }
-}
-
-/// Parses a `grpc-timeout` value: up to eight digits and a unit (H, M, S, m, u, n).
-fn grpc_timeout(value: &[u8]) -> Option<Duration> {
-    let (&unit, digits) = value.split_last()?;
-    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    let n: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
-    Some(match unit {
-        b'H' => Duration::from_secs(n * 3600),
-        b'M' => Duration::from_secs(n * 60),
-        b'S' => Duration::from_secs(n),
-        b'm' => Duration::from_millis(n),
-        b'u' => Duration::from_micros(n),
-        b'n' => Duration::from_nanos(n),
-        _ => return None,
-    })
-}
-
-/// Claims the key, waiting (up to `wait`) while another request holds it: the fence of an
-/// acquired claim, or the answer that replaces running the handler (a replay, or why not), or
-/// nothing when the caller left while waiting.
-///
-/// A request of this process that holds the key wakes its waiters when it finalizes; one on
-/// another instance is noticed by polling the store, after 10 ms, then twice as long each time
-/// up to 200 ms.
-async fn claim_or_answer<B, E>(
-    config: &Config,
-    claim: &ClaimRequest,
-    request_headers: &HeaderMap,
-    wait: Duration,
-    grpc: bool,
-    reply: &mut Caller<B, E>,
-) -> ControlFlow<Option<Response<ResponseBody<B>>>, u64> {
-    let kind = config.store.kind();
-    let outcome = telemetry::timed("claim", kind, config.store.claim(claim)).await;
-    match outcome {
-        // Waiting is rare, and its state large: boxed apart.
-        Ok(ClaimOutcome::InFlight { .. }) => {
-            Box::pin(wait_for_the_first(
-                config,
-                claim,
-                request_headers,
-                wait,
-                grpc,
-                reply,
-                outcome,
-            ))
-            .await
-        }
-        other => answer(config, claim.record(), request_headers, other, grpc),
-    }
-}
-
-/// The wait of [`claim_or_answer`] for a key found in flight.
-async fn wait_for_the_first<B, E>(
-    config: &Config,
-    claim: &ClaimRequest,
-    request_headers: &HeaderMap,
-    wait: Duration,
-    grpc: bool,
-    reply: &mut Caller<B, E>,
-    mut outcome: Result<ClaimOutcome, StoreError>,
-) -> ControlFlow<Option<Response<ResponseBody<B>>>, u64> {
-    let deadline = Instant::now() + wait;
-    let mut watch = None;
-    let (prefix, count) = claim.owner().as_u64_pair();
-    let mut backoff = Backoff::new(prefix ^ count.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    loop {
-        let lease_left = match outcome {
-            Ok(ClaimOutcome::InFlight { retry_after }) => retry_after,
-            other => return answer(config, claim.record(), request_headers, other, grpc),
-        };
-        if reply.is_closed() {
-            return ControlFlow::Break(None);
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            let retry_after = config.shared.durations.retry_after(lease_left);
-            let rejection = Rejection::InFlight { retry_after };
-            return ControlFlow::Break(Some(respond(
-                config,
-                rejection,
-                Some(claim.record().key()),
-                grpc,
-            )));
-        }
-        let watch = watch.get_or_insert_with(|| {
-            config.metrics.add(|m| &m.waits);
-            telemetry::count("idempotency_waits_total");
-            config.shared.waiters.watch(claim.record())
-        });
-        tokio::select! {
-            () = watch.notify().notified() => {}
-            () = tokio::time::sleep(backoff.pause().min(deadline - now)) => {}
-            () = reply.closed() => return ControlFlow::Break(None),
-        }
-        outcome = telemetry::timed("claim", config.store.kind(), config.store.claim(claim)).await;
-    }
-}
-
-/// The fence of an acquired claim, or the answer that replaces running the handler.
-fn answer<B>(
-    config: &Config,
-    record: &RecordKey,
-    request_headers: &HeaderMap,
-    outcome: Result<ClaimOutcome, StoreError>,
-    grpc: bool,
-) -> ControlFlow<Option<Response<ResponseBody<B>>>, u64> {
-    let rejection = match outcome {
-        Ok(ClaimOutcome::Acquired { fence }) => return ControlFlow::Continue(fence),
-        Ok(ClaimOutcome::Completed { response, .. }) if response.body().is_some() => {
-            match vary_mismatch(&response, request_headers) {
-                None => {
-                    config.metrics.add(|m| &m.replays);
-                    let mut response = replay(*response);
-                    report(config, IdempotencyOutcome::Replayed, &mut response);
-                    return ControlFlow::Break(Some(response));
-                }
-                Some(headers) => Rejection::NotAcceptable { headers },
-            }
-        }
-        Ok(ClaimOutcome::Completed { response, .. }) => Rejection::ResponseNotStored {
-            status: response.status(),
-        },
-        Ok(ClaimOutcome::InFlight { retry_after }) => Rejection::InFlight {
-            retry_after: config.shared.durations.retry_after(retry_after),
-        },
-        Ok(ClaimOutcome::Mismatch) => Rejection::Mismatch,
-        Ok(ClaimOutcome::Orphaned) => {
-            tracing::warn!("key committed but its response was lost");
-            Rejection::OutcomeUnknown
-        }
-        Err(error) => {
-            tracing::error!(
-                error = &error as &dyn std::error::Error,
-                "claim failed; handler not run"
-            );
-            Rejection::StoreUnavailable
-        }
-    };
-    ControlFlow::Break(Some(respond(config, rejection, Some(record.key()), grpc)))
-}
-
-/// The names of the request headers the stored response varies on that this request sends
-/// differently, if any: such a retry must not receive a body negotiated for another request.
-fn vary_mismatch(stored: &StoredResponse, request: &HeaderMap) -> Option<Vec<HeaderName>> {
-    let differing: Vec<HeaderName> = vary_names(stored.headers())
-        .filter(|name| {
-            !request
-                .get_all(name)
-                .iter()
-                .eq(stored.varied_request_headers().get_all(name))
-        })
-        .collect();
-    (!differing.is_empty()).then_some(differing)
-}
-
-/// The request header names a response's `Vary` headers list (`*` names none in particular).
-fn vary_names(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {
-    headers
-        .get_all(header::VARY)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|list| list.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-}
-
-/// A stored response, as replayed.
-fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
-    let (status, mut headers, body, trailers) = stored.into_parts();
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    let mut response = Response::new(ResponseBody::full(body.unwrap_or_default(), trailers));
-    *response.status_mut() = status;
-    *response.headers_mut() = headers;
-    response
-}
-
-/// The layer's own answer, counted.
-pub(crate) fn respond<B>(
-    config: &Config,
-    rejection: Rejection,
-    key: Option<&IdempotencyKey>,
-    grpc: bool,
-) -> Response<ResponseBody<B>> {
-    config.metrics.add(|m| match rejection {
-        Rejection::InvalidKey(_)
-        | Rejection::MissingKey
-        | Rejection::BodyUnreadable
-        | Rejection::BodyTimeout { .. } => &m.bad_requests,
-        Rejection::BodyTooLarge { .. } => &m.too_large,
-        Rejection::Mismatch | Rejection::NotAcceptable { .. } => &m.mismatches,
-        Rejection::InFlight { .. } | Rejection::OutcomeUnknown => &m.in_flight,
-        Rejection::ResponseNotStored { .. } => &m.replays,
-        Rejection::StoreUnavailable => &m.store_unavailable,
-        Rejection::HandlerFailed | Rejection::NoScope => &m.handler_failures,
-    });
-    let outcome = rejection.outcome();
-    let mut response =
-        render(config, rejection, key, grpc).map(|body| ResponseBody::full(body, None));
-    report(config, outcome, &mut response);
-    response
-}
-
-/// Tells the outside what the layer did with a request: the span's `outcome`, the metrics, an
-/// event when the layer answered instead of the handler, and the response's extension.
-pub(crate) fn report<B>(config: &Config, outcome: IdempotencyOutcome, response: &mut Response<B>) {
-    tracing::Span::current().record("outcome", outcome.as_str());
-    telemetry::answered(outcome, config.store.kind());
-    if outcome.answered_by_layer() {
-        let status = response.status().as_u16();
-        let message = "answered instead of the handler";
-        match config.answer_level {
-            tracing::Level::ERROR => tracing::error!(%outcome, status, "{message}"),
-            tracing::Level::WARN => tracing::warn!(%outcome, status, "{message}"),
-            tracing::Level::INFO => tracing::info!(%outcome, status, "{message}"),
-            tracing::Level::DEBUG => tracing::debug!(%outcome, status, "{message}"),
-            tracing::Level::TRACE => tracing::trace!(%outcome, status, "{message}"),
-        }
-    }
-    response.extensions_mut().insert(outcome);
-}
-
-/// The layer's own answer, rendered for its caller: a gRPC status, or the problem through the
-/// configured hook.
-fn render(
-    config: &Config,
-    rejection: Rejection,
-    key: Option<&IdempotencyKey>,
-    grpc: bool,
-) -> Response<Bytes> {
-    let problem = rejection.problem(key);
-    match &config.problem_response {
-        _ if grpc => problem.to_grpc_response(),
-        Some(hook) => hook(&problem),
-        None => problem.to_response(),
+        Some(deadline) => settings.wait.min(deadline * 4 / 5),
+        None => settings.wait,
     }
 }

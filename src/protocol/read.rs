@@ -1,19 +1,20 @@
 //! Reading a guarded request body: within its size and time limits, fingerprinted as it arrives.
 
-use std::{pin::pin, task::Poll};
+use std::{pin::pin, task::Poll, time::Duration};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError};
 
 use crate::{
-    Fingerprint, fingerprint::FingerprintHasher, layer::Config, problem::Rejection, store::BoxError,
+    Fingerprint, fingerprint::FingerprintHasher, problem::Rejection, settings::Settings,
+    store::BoxError,
 };
 
 /// Buffers a guarded request body, up to the size and time limits, and fingerprints the request
 /// (hashing the body as it arrives, unless a hook must see all of it).
 pub(super) async fn read_body<B>(
-    config: &Config,
+    settings: &Settings,
     parts: &http::request::Parts,
     body: B,
 ) -> Result<(Bytes, Fingerprint), Rejection>
@@ -21,68 +22,82 @@ where
     B: Body,
     B::Error: Into<BoxError>,
 {
-    let limit = config.max_request_body;
+    let limit = settings.max_request_body;
     // A declared length over the limit is refused before a byte is read.
     if body.size_hint().lower() > limit as u64 {
         return Err(Rejection::BodyTooLarge { limit: Some(limit) });
     }
-    let mut hasher = FingerprintHasher::new(parts, &config.fingerprint_headers);
-    let hashing = config.fingerprint_body.is_none();
-    let mut chunks = Vec::new();
-    let mut len = 0;
-    let read = async {
-        let mut body = pin!(body);
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|error| {
-                let error: BoxError = error.into();
-                if caused_by::<LengthLimitError>(&*error) {
-                    // A limit outside this layer (tower-http's RequestBodyLimitLayer, say).
-                    Rejection::BodyTooLarge { limit: None }
-                } else {
-                    tracing::debug!(
-                        error = &*error as &dyn std::error::Error,
-                        "request body failed"
-                    );
-                    Rejection::BodyUnreadable
-                }
-            })?;
-            if let Ok(mut data) = frame.into_data() {
-                let data = data.copy_to_bytes(data.remaining());
-                len += data.len();
-                if len > limit {
-                    return Err(Rejection::BodyTooLarge { limit: Some(limit) });
-                }
-                if hashing {
-                    hasher.update(&data);
-                }
-                chunks.push(data);
-            }
-        }
-        Ok(())
-    };
-    // Most bodies have arrived with their request: a timer is armed only for one that has not.
-    let timeout = config.request_body_timeout;
-    let deadline = tokio::time::Instant::now() + timeout;
-    {
-        let mut read = pin!(read);
-        match std::future::poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await {
-            Poll::Ready(read) => read?,
-            Poll::Pending => match tokio::time::timeout_at(deadline, read).await {
-                Ok(read) => read?,
-                Err(_elapsed) => return Err(Rejection::BodyTimeout { after: timeout }),
-            },
-        }
-    }
-    let body = concat(chunks);
-    let fingerprint = match &config.fingerprint_body {
+    let mut hasher = FingerprintHasher::new(parts, &settings.fingerprint_headers);
+    let hashing = settings.fingerprint_body.is_none().then_some(&mut hasher);
+    let read = within_deadline(settings.request_body_timeout, collect(body, limit, hashing));
+    let body = concat(read.await?);
+    let fingerprint = match &settings.fingerprint_body {
         None => hasher.finish(),
         Some(hook) => {
-            let mut hasher = FingerprintHasher::new(parts, &config.fingerprint_headers);
+            let mut hasher = FingerprintHasher::new(parts, &settings.fingerprint_headers);
             hasher.update(&hook(parts, &body));
             hasher.finish()
         }
     };
     Ok((body, fingerprint))
+}
+
+/// Reads every data frame of `body`, up to `limit` bytes, feeding them to `hasher` if given.
+async fn collect<B>(
+    body: B,
+    limit: usize,
+    mut hasher: Option<&mut FingerprintHasher>,
+) -> Result<Vec<Bytes>, Rejection>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let mut body = pin!(body);
+    let (mut chunks, mut len) = (Vec::new(), 0);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|error| {
+            let error: BoxError = error.into();
+            if caused_by::<LengthLimitError>(&*error) {
+                // A limit outside this layer (tower-http's RequestBodyLimitLayer, say).
+                Rejection::BodyTooLarge { limit: None }
+            } else {
+                tracing::debug!(
+                    error = &*error as &dyn std::error::Error,
+                    "request body failed"
+                );
+                Rejection::BodyUnreadable
+            }
+        })?;
+        if let Ok(mut data) = frame.into_data() {
+            let data = data.copy_to_bytes(data.remaining());
+            len += data.len();
+            if len > limit {
+                return Err(Rejection::BodyTooLarge { limit: Some(limit) });
+            }
+            if let Some(hasher) = &mut hasher {
+                hasher.update(&data);
+            }
+            chunks.push(data);
+        }
+    }
+    Ok(chunks)
+}
+
+/// Runs `read` within `timeout`. Most bodies have arrived with their request: a timer is armed
+/// only for one that has not.
+async fn within_deadline<T>(
+    timeout: Duration,
+    read: impl Future<Output = Result<T, Rejection>>,
+) -> Result<T, Rejection> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut read = pin!(read);
+    match std::future::poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await {
+        Poll::Ready(read) => read,
+        Poll::Pending => match tokio::time::timeout_at(deadline, read).await {
+            Ok(read) => read,
+            Err(_elapsed) => Err(Rejection::BodyTimeout { after: timeout }),
+        },
+    }
 }
 
 /// Whether `error`, or any error in its chain of sources, is an `E`.

@@ -313,8 +313,19 @@ pub struct ClaimRequest {
 impl ClaimRequest {
     /// A claim of `record` by `owner` (a fresh random token per request attempt) for `lease`.
     pub fn new(record: RecordKey, fingerprint: Fingerprint, owner: Uuid, lease: Duration) -> Self {
+        Self::shared(Arc::new(record), fingerprint, owner, lease)
+    }
+
+    /// A claim of a record already shared (with the request's future, which names it if the
+    /// work fails).
+    pub(crate) fn shared(
+        record: Arc<RecordKey>,
+        fingerprint: Fingerprint,
+        owner: Uuid,
+        lease: Duration,
+    ) -> Self {
         Self {
-            record: Arc::new(record),
+            record,
             fingerprint,
             owner,
             lease,

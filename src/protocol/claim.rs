@@ -1,0 +1,136 @@
+//! Claiming a key: the fence to run the handler with, or the answer that replaces running it,
+//! after waiting for a duplicate in flight.
+
+use std::{ops::ControlFlow, time::Duration};
+
+use http::{HeaderMap, Response};
+use tokio::time::Instant;
+
+use super::{Caller, Engine, wait::Backoff};
+use crate::{
+    answers::vary_mismatch,
+    body::ResponseBody,
+    problem::Rejection,
+    store::{ClaimOutcome, ClaimRequest, RecordKey, StoreError},
+};
+
+/// What a claim ends in when the handler does not run: the answer, or nothing when the caller
+/// left while waiting.
+type Answered<B> = ControlFlow<Option<Response<ResponseBody<B>>>, u64>;
+
+/// Claims the key, waiting (up to `wait`) while another request holds it: the fence of an
+/// acquired claim, or the answer that replaces running the handler (a replay, or why not), or
+/// nothing when the caller left while waiting.
+///
+/// A request of this process that holds the key wakes its waiters when it finalizes; one on
+/// another instance is noticed by polling the store, after 10 ms, then twice as long each time
+/// up to 200 ms.
+pub(super) async fn claim_or_answer<B, E>(
+    engine: &Engine,
+    claim: &ClaimRequest,
+    request_headers: &HeaderMap,
+    wait: Duration,
+    grpc: bool,
+    reply: &mut Caller<B, E>,
+) -> Answered<B> {
+    let outcome = claim_once(engine, claim).await;
+    match outcome {
+        // Waiting is rare, and its state large: boxed apart.
+        Ok(ClaimOutcome::InFlight { .. }) => {
+            let waiting =
+                wait_for_the_first(engine, claim, request_headers, wait, grpc, reply, outcome);
+            Box::pin(waiting).await
+        }
+        other => answer(engine, claim.record(), request_headers, other, grpc),
+    }
+}
+
+/// One claim call, timed.
+async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+    let store = &engine.settings.store;
+    engine.telemetry.timed("claim", store.claim(claim)).await
+}
+
+/// The wait of [`claim_or_answer`] for a key found in flight.
+async fn wait_for_the_first<B, E>(
+    engine: &Engine,
+    claim: &ClaimRequest,
+    request_headers: &HeaderMap,
+    wait: Duration,
+    grpc: bool,
+    reply: &mut Caller<B, E>,
+    mut outcome: Result<ClaimOutcome, StoreError>,
+) -> Answered<B> {
+    let deadline = Instant::now() + wait;
+    let mut watch = None;
+    let (prefix, count) = claim.owner().as_u64_pair();
+    let mut backoff = Backoff::new(prefix ^ count.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    loop {
+        let lease_left = match outcome {
+            Ok(ClaimOutcome::InFlight { retry_after }) => retry_after,
+            other => return answer(engine, claim.record(), request_headers, other, grpc),
+        };
+        if reply.is_closed() {
+            return ControlFlow::Break(None);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            let retry_after = engine.state.durations.retry_after(lease_left);
+            let rejection = Rejection::InFlight { retry_after };
+            let key = Some(claim.record().key());
+            return ControlFlow::Break(Some(engine.respond(rejection, key, grpc)));
+        }
+        let watch = watch.get_or_insert_with(|| {
+            engine.telemetry.waiting();
+            engine.state.waiters.watch(claim.record())
+        });
+        tokio::select! {
+            () = watch.notify().notified() => {}
+            () = tokio::time::sleep(backoff.pause().min(deadline - now)) => {}
+            () = reply.closed() => return ControlFlow::Break(None),
+        }
+        outcome = claim_once(engine, claim).await;
+    }
+}
+
+/// The fence of an acquired claim, or the answer that replaces running the handler.
+fn answer<B>(
+    engine: &Engine,
+    record: &RecordKey,
+    request_headers: &HeaderMap,
+    outcome: Result<ClaimOutcome, StoreError>,
+    grpc: bool,
+) -> Answered<B> {
+    let rejection = match outcome {
+        Ok(ClaimOutcome::Acquired { fence }) => return ControlFlow::Continue(fence),
+        Ok(ClaimOutcome::Completed { response, .. }) if response.body().is_some() => {
+            match vary_mismatch(&response, request_headers) {
+                None => {
+                    let answers = &engine.settings.answers;
+                    let replayed = answers.replay(&engine.telemetry, *response);
+                    return ControlFlow::Break(Some(replayed));
+                }
+                Some(headers) => Rejection::NotAcceptable { headers },
+            }
+        }
+        Ok(ClaimOutcome::Completed { response, .. }) => Rejection::ResponseNotStored {
+            status: response.status(),
+        },
+        Ok(ClaimOutcome::InFlight { retry_after }) => Rejection::InFlight {
+            retry_after: engine.state.durations.retry_after(retry_after),
+        },
+        Ok(ClaimOutcome::Mismatch) => Rejection::Mismatch,
+        Ok(ClaimOutcome::Orphaned) => {
+            tracing::warn!("key committed but its response was lost");
+            Rejection::OutcomeUnknown
+        }
+        Err(error) => {
+            tracing::error!(
+                error = &error as &dyn std::error::Error,
+                "claim failed; handler not run"
+            );
+            Rejection::StoreUnavailable
+        }
+    };
+    ControlFlow::Break(Some(engine.respond(rejection, Some(record.key()), grpc)))
+}

@@ -1,0 +1,125 @@
+//! What an application configured on its layer: plain data, copied into every service the layer
+//! builds. The engine's live state (waiters, leases, durations) lives with the engine.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use http::{HeaderName, Method, request::Parts};
+
+use crate::{
+    CompletionPolicy,
+    answers::Answers,
+    fingerprint::BodyFingerprintFn,
+    response::StoreRules,
+    scope,
+    store::{RecordKey, Store},
+    telemetry::{Pseudonym, ShownRecord},
+};
+
+/// Default limit of a guarded request body: 1 MiB.
+pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
+/// Default time a guarded request body may take to arrive: 30 s.
+pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default limit of a response body kept for replay: 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
+/// Default lease: how long a claim survives its instance without renewal.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// Default retention of completed keys: 24 hours.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+/// Default time a duplicate waits for the first request with its key: 10 s.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(10);
+/// Default time a response that could not be stored is retried, with its key held: 10 minutes.
+pub const DEFAULT_FINALIZE_DEADLINE: Duration = Duration::from_secs(10 * 60);
+
+/// The scope function of [`IdempotencyLayer::with_scope`](crate::IdempotencyLayer::with_scope).
+pub(crate) type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// Everything a layer was configured with, grouped as its builder documents it.
+#[derive(Clone)]
+pub(crate) struct Settings {
+    pub(crate) store: Arc<dyn Store>,
+    // Requests.
+    pub(crate) methods: Vec<Method>,
+    pub(crate) key_header: HeaderName,
+    pub(crate) key_required: bool,
+    pub(crate) scope: Arc<ScopeFn>,
+    // Fingerprint.
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) fingerprint_body: Option<Arc<BodyFingerprintFn>>,
+    // Limits (the response limit and unstored headers are in `store_rules`).
+    pub(crate) max_request_body: usize,
+    pub(crate) request_body_timeout: Duration,
+    pub(crate) store_rules: Arc<StoreRules>,
+    // Timing.
+    pub(crate) lease: Duration,
+    pub(crate) retention: Duration,
+    pub(crate) wait: Duration,
+    pub(crate) finalize_deadline: Duration,
+    // Answers.
+    pub(crate) policy: CompletionPolicy,
+    pub(crate) answers: Answers,
+    // Observability.
+    pub(crate) keys_in_clear: bool,
+}
+
+impl Settings {
+    /// The defaults, on `store` (the layer's constructor documents them).
+    pub(crate) fn new(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            methods: vec![Method::POST, Method::PATCH],
+            key_header: crate::IDEMPOTENCY_KEY.clone(),
+            key_required: false,
+            scope: Arc::new(scope::by_credentials),
+            fingerprint_headers: Vec::new(),
+            fingerprint_body: None,
+            max_request_body: DEFAULT_MAX_REQUEST_BODY,
+            request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
+            store_rules: Arc::default(),
+            lease: DEFAULT_LEASE,
+            retention: DEFAULT_RETENTION,
+            wait: DEFAULT_WAIT,
+            finalize_deadline: DEFAULT_FINALIZE_DEADLINE,
+            policy: CompletionPolicy::default(),
+            answers: Answers::default(),
+            keys_in_clear: false,
+        }
+    }
+
+    /// A record as this layer's logs show it, outside a request's span (which names it).
+    pub(crate) fn shown_record<'a>(&self, record: &'a RecordKey) -> ShownRecord<'a> {
+        ShownRecord {
+            scope: self.shown(record.scope()),
+            key: self.shown(record.key().as_str()),
+        }
+    }
+
+    /// A key or scope as this layer's logs show it.
+    pub(crate) fn shown<'a>(&self, value: &'a str) -> Pseudonym<'a> {
+        Pseudonym {
+            value,
+            clear: self.keys_in_clear,
+        }
+    }
+}
+
+impl fmt::Debug for Settings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Settings")
+            .field("store", &self.store.kind())
+            .field("methods", &self.methods)
+            .field("key_header", &self.key_header)
+            .field("key_required", &self.key_required)
+            .field("fingerprint_headers", &self.fingerprint_headers)
+            .field("max_request_body", &self.max_request_body)
+            .field("request_body_timeout", &self.request_body_timeout)
+            .field("max_response_body", &self.store_rules.max_body)
+            .field("unstored_headers", &self.store_rules.unstored)
+            .field("lease", &self.lease)
+            .field("retention", &self.retention)
+            .field("wait", &self.wait)
+            .field("finalize_deadline", &self.finalize_deadline)
+            .field("answer_level", &self.answers.level)
+            .field("keys_in_clear", &self.keys_in_clear)
+            .finish_non_exhaustive()
+    }
+}
