@@ -409,36 +409,13 @@ pub async fn an_operator_can_inspect_list_and_forget_keys(store: &impl Store) {
         other => panic!("inspect of a key never claimed: {other:?}"),
     }
     let lease = acquire(store, &request(&record, "a", LONG)).await;
-    let info = store
-        .inspect(&record)
-        .await
-        .expect("inspect failed")
-        .expect("inspect does not see a key in flight");
-    assert_eq!(info.record, record);
-    assert_eq!(info.state, RecordState::InFlight);
-    assert_eq!(info.fence, lease.fence(), "inspect shows another fence");
-    assert_eq!(info.owner, lease.owner(), "inspect shows another owner");
-    let left = info
-        .lease_left
-        .expect("no lease left shown for a key in flight");
+    shows_in_flight(store, &lease).await;
     assert!(
-        left > LONG / 2 && left <= LONG,
-        "lease left {left:?} of {LONG:?}"
+        is_stuck(store, &record, Duration::ZERO).await,
+        "stuck does not list a key in flight"
     );
-    assert_eq!(info.status, None);
-
-    let listed = |stuck: Vec<crate::store::RecordInfo>| stuck.iter().any(|i| i.record == record);
-    let stuck = store
-        .stuck(Duration::ZERO, 100_000)
-        .await
-        .expect("stuck failed");
-    assert!(listed(stuck), "stuck does not list a key in flight");
-    let stuck = store
-        .stuck(Duration::from_secs(3600), 100_000)
-        .await
-        .expect("stuck failed");
     assert!(
-        !listed(stuck),
+        !is_stuck(store, &record, Duration::from_secs(3600)).await,
         "stuck lists a key claimed a moment ago as an hour old"
     );
 
@@ -451,7 +428,7 @@ pub async fn an_operator_can_inspect_list_and_forget_keys(store: &impl Store) {
     assert_eq!(info.state, RecordState::Completed);
     assert_eq!(info.status, Some(StatusCode::CREATED));
     assert!(
-        !listed(store.stuck(Duration::ZERO, 100_000).await.unwrap()),
+        !is_stuck(store, &record, Duration::ZERO).await,
         "stuck lists a completed key"
     );
 
@@ -466,4 +443,34 @@ pub async fn an_operator_can_inspect_list_and_forget_keys(store: &impl Store) {
     );
     assert!(!store.forget(&record).await.unwrap(), "forgot a key twice");
     acquire(store, &request(&record, "another request", LONG)).await;
+}
+
+/// `inspect` shows `lease`'s key in flight, with its fence, owner and lease.
+async fn shows_in_flight(store: &impl Store, lease: &Lease) {
+    let info = store
+        .inspect(lease.record())
+        .await
+        .expect("inspect failed")
+        .expect("inspect does not see a key in flight");
+    assert_eq!(&info.record, lease.record());
+    assert_eq!(info.state, RecordState::InFlight);
+    assert_eq!(info.fence, lease.fence(), "inspect shows another fence");
+    assert_eq!(info.owner, lease.owner(), "inspect shows another owner");
+    let left = info
+        .lease_left
+        .expect("no lease left shown for a key in flight");
+    assert!(
+        left > LONG / 2 && left <= LONG,
+        "lease left {left:?} of {LONG:?}"
+    );
+    assert_eq!(info.status, None);
+}
+
+/// Whether `stuck` lists `record` as in flight for at least `older_than`.
+async fn is_stuck(store: &impl Store, record: &RecordKey, older_than: Duration) -> bool {
+    let stuck = store
+        .stuck(older_than, 100_000)
+        .await
+        .expect("stuck failed");
+    stuck.iter().any(|info| &info.record == record)
 }

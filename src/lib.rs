@@ -139,29 +139,30 @@
     rust_2018_idioms
 )]
 
-// In the order a request meets them; each module uses only those below it (`.ci/layering`
-// checks it; ARCHITECTURE.md says what lives where).
-mod answers;
-mod body;
-mod claim;
+// In the order a request meets them; each module uses only those declared below it
+// (`.ci/layering` checks it; ARCHITECTURE.md says what lives where). The conformance suite
+// drives stores from outside, as a user's tests do.
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
-mod fingerprint;
+mod layer;
+mod service;
 mod future;
+mod protocol;
+mod claim;
+mod settings;
+mod answers;
+pub mod problem;
+mod policy;
+pub mod scope;
+mod body;
+pub mod store;
+mod response;
+mod fingerprint;
+mod key;
 mod grpc;
 mod headers;
-mod key;
-mod layer;
-mod outcome;
-mod policy;
-pub mod problem;
-mod protocol;
-mod response;
-pub mod scope;
-mod service;
-mod settings;
-pub mod store;
 pub mod telemetry;
+mod outcome;
 
 pub use self::{
     body::{RequestBody, ResponseBody},
@@ -172,11 +173,11 @@ pub use self::{
     layer::IdempotencyLayer,
     outcome::IdempotencyOutcome,
     policy::{Completion, CompletionPolicy, ResponseSummary},
-    response::{DecodeError, StoredResponse},
+    response::{DEFAULT_MAX_RESPONSE_BODY, DecodeError, StoredResponse},
     service::Idempotency,
     settings::{
         DEFAULT_FINALIZE_DEADLINE, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY,
-        DEFAULT_MAX_RESPONSE_BODY, DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_RETENTION, DEFAULT_WAIT,
+        DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_RETENTION, DEFAULT_WAIT,
     },
     store::MemoryStore,
     telemetry::{Counters, CountersSnapshot},

@@ -100,59 +100,20 @@ impl Rejection {
     fn describe(&self) -> (StatusCode, &'static str, &'static str, Code) {
         use Code::*;
         use Rejection::*;
+        #[rustfmt::skip]
         let (status, type_uri, title, code) = match self {
             InvalidKey(_) => (400, INVALID_KEY, "Invalid idempotency key", InvalidArgument),
-            MissingKey => (
-                400,
-                MISSING_KEY,
-                "Idempotency key required",
-                InvalidArgument,
-            ),
+            MissingKey => (400, MISSING_KEY, "Idempotency key required", InvalidArgument),
             NoScope => (500, NO_SCOPE, "No idempotency scope", Internal),
-            BodyTooLarge { .. } => (
-                413,
-                BODY_TOO_LARGE,
-                "Request body too large",
-                ResourceExhausted,
-            ),
-            BodyTimeout { .. } => (
-                408,
-                BODY_TIMEOUT,
-                "Request body timed out",
-                DeadlineExceeded,
-            ),
-            BodyUnreadable => (
-                400,
-                BODY_UNREADABLE,
-                "Request body unreadable",
-                InvalidArgument,
-            ),
-            Mismatch => (
-                422,
-                KEY_MISMATCH,
-                "Idempotency key reused with a different request",
-                FailedPrecondition,
-            ),
+            BodyTooLarge { .. } => (413, BODY_TOO_LARGE, "Request body too large", ResourceExhausted),
+            BodyTimeout { .. } => (408, BODY_TIMEOUT, "Request body timed out", DeadlineExceeded),
+            BodyUnreadable => (400, BODY_UNREADABLE, "Request body unreadable", InvalidArgument),
+            Mismatch => (422, KEY_MISMATCH, "Idempotency key reused with a different request", FailedPrecondition),
             InFlight { .. } => (409, IN_FLIGHT, "Request in progress", Aborted),
-            NotAcceptable { .. } => (
-                406,
-                REPLAY_NOT_ACCEPTABLE,
-                "Stored response not acceptable",
-                FailedPrecondition,
-            ),
-            ResponseNotStored { .. } => (
-                409,
-                RESPONSE_NOT_STORED,
-                "Response not stored",
-                FailedPrecondition,
-            ),
+            NotAcceptable { .. } => (406, REPLAY_NOT_ACCEPTABLE, "Stored response not acceptable", FailedPrecondition),
+            ResponseNotStored { .. } => (409, RESPONSE_NOT_STORED, "Response not stored", FailedPrecondition),
             OutcomeUnknown => (409, OUTCOME_UNKNOWN, "Outcome unknown", FailedPrecondition),
-            StoreUnavailable => (
-                503,
-                STORE_UNAVAILABLE,
-                "Idempotency store unavailable",
-                Unavailable,
-            ),
+            StoreUnavailable => (503, STORE_UNAVAILABLE, "Idempotency store unavailable", Unavailable),
             HandlerFailed => (500, HANDLER_FAILED, "Request failed", Internal),
         };
         let status = StatusCode::from_u16(status).expect("the statuses above are valid");

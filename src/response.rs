@@ -144,6 +144,9 @@ impl StoredResponse {
     }
 }
 
+/// Default limit of a response body kept for replay: 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
+
 /// What of a response is stored: every header but the hop-by-hop ones and the configured
 /// per-exchange ones, and the body up to the cache limit.
 #[derive(Debug, Clone)]
@@ -202,7 +205,7 @@ impl Default for StoreRules {
                 HeaderName::from_static("tracestate"),
                 HeaderName::from_static("server-timing"),
             ],
-            max_body: crate::DEFAULT_MAX_RESPONSE_BODY,
+            max_body: DEFAULT_MAX_RESPONSE_BODY,
         }
     }
 }

@@ -19,8 +19,6 @@ use crate::{
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
 /// Default time a guarded request body may take to arrive: 30 s.
 pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
-/// Default limit of a response body kept for replay: 1 MiB.
-pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
 /// Default lease: how long a claim survives its instance without renewal.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// Default retention of completed keys: 24 hours.

@@ -350,8 +350,7 @@ fn logs_never_show_a_key_or_scope_in_clear_unless_asked_to() {
             // A front that fails (nothing listens there), so that errors are logged too.
             let front = RedisStore::open("redis://127.0.0.1:1")
                 .unwrap()
-                .with_timeout(Duration::from_millis(100))
-                .unwrap();
+                .with_timeout(Duration::from_millis(100));
             let layer = IdempotencyLayer::new(TieredStore::new(front, MemoryStore::new()))
                 .with_scope(move |_| Some(tenant.to_owned()))
                 .with_wait(Duration::ZERO)
@@ -410,8 +409,7 @@ fn metrics_count_outcomes_time_the_store_and_follow_keys_held_and_the_breaker() 
     observed(&capture, |metrics| async move {
         let front = RedisStore::open("redis://127.0.0.1:1")
             .unwrap()
-            .with_timeout(Duration::from_millis(100))
-            .unwrap();
+            .with_timeout(Duration::from_millis(100));
         let store = TieredStore::new(front, MemoryStore::new());
         let layer = IdempotencyLayer::new(store).with_wait(Duration::ZERO);
         let (app, gate) = gated_app(layer);

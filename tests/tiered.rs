@@ -98,8 +98,7 @@ async fn a_stalled_redis_costs_one_timeout_then_is_skipped() {
     let schema = TestSchema::new().await;
     let redis = RedisStore::open(&server.url())
         .unwrap()
-        .with_timeout(Duration::from_millis(200))
-        .unwrap();
+        .with_timeout(Duration::from_millis(200));
     let store = TieredStore::new(redis, PostgresStore::new(schema.pool.clone()))
         .with_breaker_cooldown(Duration::from_secs(1));
     acquire(&store, &request("warm-up")).await;
@@ -164,8 +163,7 @@ async fn a_claim_that_reaches_a_frozen_redis_late_never_hides_a_completed_key() 
     let schema = TestSchema::new().await;
     let redis = RedisStore::open(&server.url())
         .unwrap()
-        .with_timeout(Duration::from_millis(200))
-        .unwrap();
+        .with_timeout(Duration::from_millis(200));
     let store = TieredStore::new(redis.clone(), PostgresStore::new(schema.pool.clone()))
         .with_breaker_cooldown(Duration::from_millis(100));
     let lease = acquire(&store, &request("k-late")).await;
@@ -240,8 +238,7 @@ async fn completed_keys_replay_from_redis_while_postgres_is_down_breaker_or_not(
     let pool = pool_in_schema(&cluster.url(), "public").await;
     let redis = RedisStore::open(&server.url())
         .unwrap()
-        .with_timeout(Duration::from_millis(200))
-        .unwrap();
+        .with_timeout(Duration::from_millis(200));
     let store = TieredStore::new(
         redis.clone(),
         PostgresStore::new(pool).with_timeout(Duration::from_secs(1)),

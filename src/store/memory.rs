@@ -97,7 +97,15 @@ enum EntryState {
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store, with the default budget.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // One process only: a test, or local development.
+    /// let store = MemoryStore::new().with_max_entries(10_000);
+    /// let layer = IdempotencyLayer::new(store);
+    /// ```
     pub fn new() -> Self {
         Self::default()
     }
@@ -245,14 +253,11 @@ impl State {
             });
         }
         if !self.make_room(1, 0) {
-            return Err(StoreError::Backend {
-                store: "memory",
-                source: format!(
-                    "the memory store holds {} records in flight, its whole entry budget",
-                    self.records.len()
-                )
-                .into(),
-            });
+            let full = format!(
+                "the memory store holds {} records in flight, its whole entry budget",
+                self.records.len()
+            );
+            return Err(StoreError::backend("memory", full));
         }
         self.last_fence += 1;
         let record = Arc::new(request.record().clone());

@@ -485,3 +485,47 @@ pub enum StoreError {
         source: BoxError,
     },
 }
+
+impl StoreError {
+    /// The backend `store` failed with `source`.
+    pub(crate) fn backend(store: &'static str, source: impl Into<BoxError>) -> Self {
+        Self::Backend {
+            store,
+            source: source.into(),
+        }
+    }
+
+    /// `store` did not answer within `after`.
+    pub(crate) fn timeout(store: &'static str, after: Duration) -> Self {
+        Self::Timeout { store, after }
+    }
+
+    /// `store` holds an unreadable `record`: `source` says what is wrong with it.
+    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn corrupt(
+        store: &'static str,
+        record: &RecordKey,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        Self::Corrupt {
+            store,
+            record: record.clone(),
+            source: source.into(),
+        }
+    }
+}
+
+/// Runs a call to `store`'s backend within `timeout`: past it, [`StoreError::Timeout`]; the
+/// call's own errors as `failed` says.
+#[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+pub(crate) async fn bounded<T, E>(
+    store: &'static str,
+    timeout: Duration,
+    call: impl Future<Output = Result<T, E>>,
+    failed: impl FnOnce(E) -> StoreError,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(timeout, call).await {
+        Ok(result) => result.map_err(failed),
+        Err(_elapsed) => Err(StoreError::timeout(store, timeout)),
+    }
+}

@@ -45,6 +45,23 @@ pub const DEFAULT_BREAKER_COOLDOWN: Duration = Duration::from_secs(5);
 
 impl<F: Store, A: Store> TieredStore<F, A> {
     /// `front` in front of `authority`.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::{
+    ///     IdempotencyLayer,
+    ///     sqlx::PgPool,
+    ///     store::{PostgresStore, RedisStore, TieredStore},
+    /// };
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = PgPool::connect("postgres://127.0.0.1/app").await?;
+    /// let store = TieredStore::new(
+    ///     RedisStore::open("redis://127.0.0.1:6379/")?,
+    ///     PostgresStore::new(pool),
+    /// );
+    /// let layer = IdempotencyLayer::new(store);
+    /// # Ok(()) }
+    /// ```
     pub fn new(front: F, authority: A) -> Self {
         Self {
             front,
@@ -376,10 +393,7 @@ mod tests {
         fn check(&self) -> Result<(), StoreError> {
             self.calls.fetch_add(1, Ordering::SeqCst);
             if self.down.load(Ordering::SeqCst) {
-                Err(StoreError::Timeout {
-                    store: "switchable",
-                    after: Duration::from_millis(1),
-                })
+                Err(StoreError::timeout("switchable", Duration::from_millis(1)))
             } else {
                 Ok(())
             }

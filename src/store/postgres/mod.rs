@@ -19,8 +19,8 @@ use tokio::task::JoinHandle;
 
 use self::{connections::Connections, sql::*};
 use super::{
-    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordInfo, RecordKey, RecordState,
-    Store, StoreError,
+    BoxError, BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordInfo, RecordKey,
+    RecordState, Store, StoreError,
 };
 use crate::StoredResponse;
 
@@ -153,6 +153,20 @@ const LOCKED_RETRY: Duration = Duration::from_millis(100);
 
 impl PostgresStore {
     /// A store on `pool`. Run the migrations first ([`migrate`](Self::migrate)).
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_idempotency::{sqlx::postgres::PgPoolOptions, store::PostgresStore};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = PgPoolOptions::new()
+    ///     .acquire_timeout(Duration::from_secs(2))
+    ///     .connect("postgres://127.0.0.1/app")
+    ///     .await?;
+    /// let store = PostgresStore::new(pool).with_timeout(Duration::from_secs(3));
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
     pub fn new(pool: PgPool) -> Self {
         let connections = Connections::new(
             &pool.connect_options(),
@@ -272,21 +286,16 @@ impl PostgresStore {
         .await
     }
 
+    /// Runs `operation` under the timeout; the server's statement timeout is a timeout too.
     async fn bounded<T>(
         &self,
         operation: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.timeout, operation).await {
-            Ok(result) => result.map_err(|e| self.failed(e)),
-            Err(_elapsed) => Err(self.timed_out()),
-        }
+        super::bounded(STORE, self.timeout, operation, |e| self.failed(e)).await
     }
 
     fn timed_out(&self) -> StoreError {
-        StoreError::Timeout {
-            store: STORE,
-            after: self.timeout,
-        }
+        StoreError::timeout(STORE, self.timeout)
     }
 
     /// One round of a claim: `None` when a competing claim committed between snapshots and the
@@ -320,45 +329,10 @@ impl PostgresStore {
             // past the caller's time and inserted nothing): look again.
             return Ok(None);
         };
-        let corrupt = |source| StoreError::Corrupt {
-            store: STORE,
-            record: record.clone(),
-            source,
-        };
-        let verdict: String = row.try_get("verdict").map_err(backend)?;
-        let millis = |column| -> Result<Duration, StoreError> {
-            let millis: Option<i64> = row.try_get(column).map_err(backend)?;
-            Ok(Duration::from_millis(
-                u64::try_from(millis.unwrap_or(0)).unwrap_or(0),
-            ))
-        };
-        Ok(Some(match verdict.as_str() {
-            "acquired" => {
-                let fence: i64 = row.try_get("fence").map_err(backend)?;
-                ClaimOutcome::Acquired {
-                    fence: u64::try_from(fence).map_err(|e| corrupt(e.into()))?,
-                }
-            }
-            "mismatch" => ClaimOutcome::Mismatch,
-            "completed" => {
-                let response: Option<Vec<u8>> = row.try_get("response").map_err(backend)?;
-                let response =
-                    response.ok_or_else(|| corrupt("completed row without a response".into()))?;
-                ClaimOutcome::Completed {
-                    response: Box::new(
-                        StoredResponse::decode(Bytes::from(response))
-                            .map_err(|e| corrupt(e.into()))?,
-                    ),
-                    expires_in: millis("expires_ms")?,
-                }
-            }
-            "in_flight" => ClaimOutcome::InFlight {
-                retry_after: millis("lease_ms")?,
-            },
-            "orphaned" => ClaimOutcome::Orphaned,
-            "expired" | "lapsed" => return self.settle(request).await,
-            other => return Err(corrupt(format!("unknown claim verdict {other:?}").into())),
-        }))
+        match read_claim(&row, record)? {
+            Some(outcome) => Ok(Some(outcome)),
+            None => self.settle(request).await,
+        }
     }
 
     /// Settles a row the common path could not, under its row lock: takes over an expired row,
@@ -384,6 +358,47 @@ impl PostgresStore {
             backend(error)
         }
     }
+}
+
+/// What a row of [`CLAIM`] says: the outcome, or `None` for a row the claim must settle under
+/// its lock (expired, or committed with its lease lapsed).
+fn read_claim(row: &PgRow, record: &RecordKey) -> Result<Option<ClaimOutcome>, StoreError> {
+    let corrupt = |source: BoxError| StoreError::corrupt(STORE, record, source);
+    let verdict: String = row.try_get("verdict").map_err(backend)?;
+    Ok(Some(match verdict.as_str() {
+        "acquired" => {
+            let fence: i64 = row.try_get("fence").map_err(backend)?;
+            ClaimOutcome::Acquired {
+                fence: u64::try_from(fence).map_err(|e| corrupt(e.into()))?,
+            }
+        }
+        "mismatch" => ClaimOutcome::Mismatch,
+        "completed" => {
+            let response: Option<Vec<u8>> = row.try_get("response").map_err(backend)?;
+            let response =
+                response.ok_or_else(|| corrupt("completed row without a response".into()))?;
+            let response =
+                StoredResponse::decode(Bytes::from(response)).map_err(|e| corrupt(e.into()))?;
+            ClaimOutcome::Completed {
+                response: Box::new(response),
+                expires_in: column_millis(row, "expires_ms")?,
+            }
+        }
+        "in_flight" => ClaimOutcome::InFlight {
+            retry_after: column_millis(row, "lease_ms")?,
+        },
+        "orphaned" => ClaimOutcome::Orphaned,
+        "expired" | "lapsed" => return Ok(None),
+        other => return Err(corrupt(format!("unknown claim verdict {other:?}").into())),
+    }))
+}
+
+/// A column of milliseconds (`NULL` and negative as zero) as a duration.
+fn column_millis(row: &PgRow, column: &str) -> Result<Duration, StoreError> {
+    let millis: Option<i64> = row.try_get(column).map_err(backend)?;
+    Ok(Duration::from_millis(
+        u64::try_from(millis.unwrap_or(0)).unwrap_or(0),
+    ))
 }
 
 /// See [`PostgresStore::settle`]: in a transaction of its own on `connection`.
@@ -607,26 +622,18 @@ fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
     let scope: String = row.try_get("scope").map_err(backend)?;
     let key: String = row.try_get("key").map_err(backend)?;
     let key =
-        crate::IdempotencyKey::try_from(key.as_str()).map_err(|e| backend_msg(e.to_string()))?;
+        crate::IdempotencyKey::try_from(key.as_str()).map_err(|e| StoreError::backend(STORE, e))?;
     let record = RecordKey::new(scope, key);
     let state = match row.try_get::<String, _>("state").map_err(backend)?.as_str() {
         "in_flight" => RecordState::InFlight,
         "committed" => RecordState::Committed,
         "completed" => RecordState::Completed,
         other => {
-            return Err(StoreError::Corrupt {
-                store: STORE,
-                record,
-                source: format!("unknown state {other:?}").into(),
-            });
+            let unknown = format!("unknown state {other:?}");
+            return Err(StoreError::corrupt(STORE, &record, unknown));
         }
     };
-    let millis = |column| -> Result<Duration, StoreError> {
-        let millis: Option<i64> = row.try_get(column).map_err(backend)?;
-        Ok(Duration::from_millis(
-            u64::try_from(millis.unwrap_or(0)).unwrap_or(0),
-        ))
-    };
+    let millis = |column| column_millis(row, column);
     let fence: i64 = row.try_get("fence").map_err(backend)?;
     let status: Option<i16> = row.try_get("status").map_err(backend)?;
     Ok(RecordInfo {
@@ -641,13 +648,6 @@ fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
         status: status.and_then(|s| http::StatusCode::from_u16(s as u16).ok()),
         record,
     })
-}
-
-fn backend_msg(message: String) -> StoreError {
-    StoreError::Backend {
-        store: STORE,
-        source: message.into(),
-    }
 }
 
 /// Moves the key from in flight to committed inside the caller's transaction, if `lease`'s owner
@@ -719,10 +719,7 @@ fn held_if_one(rows: u64) -> Ownership {
 }
 
 fn backend(error: sqlx::Error) -> StoreError {
-    StoreError::Backend {
-        store: STORE,
-        source: error.into(),
-    }
+    StoreError::backend(STORE, error)
 }
 
 /// Postgres intervals take fractional milliseconds; ours are whole.

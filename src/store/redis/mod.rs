@@ -1,5 +1,7 @@
 //! The Redis store: every state change is one ownership-checked Lua script.
 
+mod record;
+
 use std::{
     sync::{Arc, LazyLock},
     time::Duration,
@@ -12,8 +14,10 @@ use ::redis::{
     cluster_async::ClusterConnection,
     cluster_routing::{RoutingInfo, SingleNodeRoutingInfo},
 };
-use bytes::Bytes;
 
+use tokio::sync::OnceCell;
+
+use self::record::Record;
 use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordInfo, RecordKey, RecordState,
     Store, StoreError,
@@ -64,31 +68,33 @@ pub struct RedisStore {
 /// Where the store's commands go.
 #[derive(Clone)]
 enum Backend {
+    /// One server, through a manager made on first use with the store's timeout.
     Server {
         client: Client,
-        manager: ConnectionManager,
+        manager: Arc<OnceCell<ConnectionManager>>,
     },
     Cluster(Arc<Cluster>),
 }
 
 /// A Redis Cluster, connected on first use (and again after a failed first connection).
 struct Cluster {
-    client: ClusterClient,
     seeds: Vec<::redis::ConnectionInfo>,
-    connection: tokio::sync::OnceCell<ClusterConnection>,
+    connection: OnceCell<ClusterConnection>,
 }
 
 impl Cluster {
-    fn new(seeds: Vec<::redis::ConnectionInfo>, timeout: Duration) -> Result<Self, RedisError> {
-        let client = ClusterClientBuilder::new(seeds.clone())
+    fn new(seeds: Vec<::redis::ConnectionInfo>) -> Self {
+        Self {
+            seeds,
+            connection: OnceCell::new(),
+        }
+    }
+
+    fn client(&self, timeout: Duration) -> Result<ClusterClient, RedisError> {
+        ClusterClientBuilder::new(self.seeds.clone())
             .connection_timeout(timeout.max(Duration::from_secs(1)))
             .response_timeout(timeout)
-            .build()?;
-        Ok(Self {
-            client,
-            seeds,
-            connection: tokio::sync::OnceCell::new(),
-        })
+            .build()
     }
 }
 
@@ -181,24 +187,14 @@ impl Connection {
 /// The default bound on one Redis call.
 pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_millis(250);
 
-/// The layout of the record the scripts read and write (its first byte; the response encoding
-/// after it carries its own version).
-const LAYOUT: u8 = 2;
-
-/// Where the parts of a record start: layout, state, fingerprint, owner, fence (16 digits), then
-/// the response of a completed key.
-const STATE: usize = 1;
-const FINGERPRINT: usize = 2;
-const OWNER: usize = 34;
-const FENCE: usize = 50;
-const RESPONSE: usize = 66;
-
-static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../../lua/claim.lua")));
+static CLAIM: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/claim.lua")));
 static COMPLETE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../lua/complete.lua")));
+    LazyLock::new(|| Script::new(include_str!("../../../lua/complete.lua")));
 static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../lua/release.lua")));
-static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../../lua/renew.lua")));
+    LazyLock::new(|| Script::new(include_str!("../../../lua/release.lua")));
+static RENEW: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/renew.lua")));
 
 const STORE: &str = "redis";
 
@@ -206,22 +202,47 @@ impl RedisStore {
     /// A store on `client`'s server, under the prefix `idempotency:`.
     ///
     /// The connection is made on first use, so start-up does not wait for (or fail on) Redis.
-    /// Must be called within a Tokio runtime.
-    pub fn new(client: Client) -> Result<Self, RedisError> {
-        let manager = Self::manager(&client, DEFAULT_REDIS_TIMEOUT)?;
-        Ok(Self::on(Backend::Server { client, manager }))
+    ///
+    /// ```
+    /// use tower_idempotency::{redis, store::RedisStore};
+    ///
+    /// let client = redis::Client::open("redis://127.0.0.1:6379/")?;
+    /// let store = RedisStore::new(client).with_prefix("payments-api:");
+    /// # Ok::<(), redis::RedisError>(())
+    /// ```
+    pub fn new(client: Client) -> Self {
+        let manager = Arc::default();
+        Self::on(Backend::Server { client, manager })
     }
 
-    /// A store on the server at `url` (`redis://host:port/db`). See [`new`](Self::new).
+    /// A store on the server at `url` (`redis://host:port/db`); `Err` for a URL that is not
+    /// one. See [`new`](Self::new).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::store::RedisStore;
+    ///
+    /// let store = RedisStore::open("redis://127.0.0.1:6379/")?
+    ///     .with_timeout(Duration::from_millis(100));
+    /// # Ok::<(), tower_idempotency::redis::RedisError>(())
+    /// ```
     pub fn open(url: &str) -> Result<Self, RedisError> {
-        Self::new(Client::open(url)?)
+        Ok(Self::new(Client::open(url)?))
     }
 
     /// A store on a Redis Cluster, found from any of its nodes (`redis://host:port`; the others
     /// are discovered), under the prefix `idempotency:`.
     ///
     /// As with [`new`](Self::new), the connection is made on first use, and made again by the
-    /// next call if it failed. Each call goes to the master of its key's slot.
+    /// next call if it failed. Each call goes to the master of its key's slot. `Err` for seeds
+    /// that are not node addresses, or that do not make a cluster client.
+    ///
+    /// ```
+    /// use tower_idempotency::store::RedisStore;
+    ///
+    /// let store = RedisStore::cluster(["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"])?;
+    /// # Ok::<(), tower_idempotency::redis::RedisError>(())
+    /// ```
     pub fn cluster<T: IntoConnectionInfo>(
         nodes: impl IntoIterator<Item = T>,
     ) -> Result<Self, RedisError> {
@@ -229,7 +250,9 @@ impl RedisStore {
             .into_iter()
             .map(IntoConnectionInfo::into_connection_info)
             .collect::<Result<Vec<_>, _>>()?;
-        let cluster = Cluster::new(seeds, DEFAULT_REDIS_TIMEOUT)?;
+        let cluster = Cluster::new(seeds);
+        // Refused now rather than at the first call.
+        cluster.client(DEFAULT_REDIS_TIMEOUT)?;
         Ok(Self::on(Backend::Cluster(Arc::new(cluster))))
     }
 
@@ -250,18 +273,19 @@ impl RedisStore {
 
     /// The bound on each call (connecting included); past it the call fails with
     /// [`StoreError::Timeout`].
-    pub fn with_timeout(mut self, timeout: Duration) -> Result<Self, RedisError> {
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        // Connections are made on first use with the timeout: none made with the old one stays.
         self.backend = match self.backend {
             Backend::Server { client, .. } => Backend::Server {
-                manager: Self::manager(&client, timeout)?,
                 client,
+                manager: Arc::default(),
             },
             Backend::Cluster(cluster) => {
-                Backend::Cluster(Arc::new(Cluster::new(cluster.seeds.clone(), timeout)?))
+                Backend::Cluster(Arc::new(Cluster::new(cluster.seeds.clone())))
             }
         };
         self.timeout = timeout;
-        Ok(self)
+        self
     }
 
     fn manager(client: &Client, timeout: Duration) -> Result<ConnectionManager, RedisError> {
@@ -275,12 +299,15 @@ impl RedisStore {
     /// A connection: the one server's manager, or the cluster's connection (made on first use).
     async fn connection(&self) -> Result<Connection, RedisError> {
         match &self.backend {
-            Backend::Server { manager, .. } => Ok(Connection::Server(manager.clone())),
-            Backend::Cluster(cluster) => {
-                let connection = cluster
-                    .connection
-                    .get_or_try_init(|| cluster.client.get_async_connection())
+            Backend::Server { client, manager } => {
+                let manager = manager
+                    .get_or_try_init(async || Self::manager(client, self.timeout))
                     .await?;
+                Ok(Connection::Server(manager.clone()))
+            }
+            Backend::Cluster(cluster) => {
+                let connect = async || cluster.client(self.timeout)?.get_async_connection().await;
+                let connection = cluster.connection.get_or_try_init(connect).await?;
                 Ok(Connection::Cluster(connection.clone()))
             }
         }
@@ -320,21 +347,15 @@ impl RedisStore {
             let mut connection = self.connection().await?;
             invoke(&mut connection).await
         };
-        match tokio::time::timeout(self.timeout, work).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) if error.is_timeout() => Err(StoreError::Timeout {
-                store: STORE,
-                after: self.timeout,
-            }),
-            Ok(Err(error)) => Err(StoreError::Backend {
-                store: STORE,
-                source: error.into(),
-            }),
-            Err(_elapsed) => Err(StoreError::Timeout {
-                store: STORE,
-                after: self.timeout,
-            }),
-        }
+        let timeout = self.timeout;
+        super::bounded(STORE, timeout, work, |error| {
+            if error.is_timeout() {
+                StoreError::timeout(STORE, timeout)
+            } else {
+                StoreError::backend(STORE, error)
+            }
+        })
+        .await
     }
 
     /// Runs an owner-checked script that answers 1 (applied) or 0 (not the owner).
@@ -366,21 +387,14 @@ impl Store for RedisStore {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         Box::pin(async move {
-            let mut head = Vec::with_capacity(FENCE);
-            head.push(LAYOUT);
-            head.push(b'i');
-            head.extend_from_slice(request.fingerprint().as_bytes());
-            head.extend_from_slice(request.owner().as_bytes());
+            let head = record::in_flight_head(request.fingerprint(), request.owner());
             let mut invocation = CLAIM.key(self.record_key(request.record()));
             invocation.arg(head).arg(millis(request.lease()));
             let reply: Value = self
                 .call(async |connection| invocation.invoke_async(connection).await)
                 .await?;
-            parse_claim(reply, request).map_err(|reason| StoreError::Corrupt {
-                store: STORE,
-                record: request.record().clone(),
-                source: reason.into(),
-            })
+            parse_claim(reply, request)
+                .map_err(|reason| StoreError::corrupt(STORE, request.record(), reason))
         })
     }
 
@@ -434,11 +448,7 @@ impl Store for RedisStore {
             value
                 .map(|value| record_info(record.clone(), &value, pttl, now))
                 .transpose()
-                .map_err(|reason| StoreError::Corrupt {
-                    store: STORE,
-                    record: record.clone(),
-                    source: reason.into(),
-                })
+                .map_err(|reason| StoreError::corrupt(STORE, record, reason))
         })
     }
 
@@ -532,10 +542,7 @@ impl RedisStore {
 
 /// A reply read as `T`, or the store's error.
 fn from_value<T: ::redis::FromRedisValue>(value: Value) -> Result<T, StoreError> {
-    ::redis::from_redis_value(value).map_err(|error| StoreError::Backend {
-        store: STORE,
-        source: error.into(),
-    })
+    ::redis::from_redis_value(value).map_err(|error| StoreError::backend(STORE, error))
 }
 
 /// What a record says, for an operator: `now` and the fence (the claim's time) are the Redis
@@ -546,24 +553,13 @@ fn record_info(
     pttl: i64,
     now: u128,
 ) -> Result<RecordInfo, String> {
-    if value.len() < RESPONSE || value[0] != LAYOUT {
-        return Err("not a record of this layout".into());
-    }
-    let owner = uuid::Uuid::from_slice(&value[OWNER..FENCE]).map_err(|e| e.to_string())?;
-    let fence: u64 = std::str::from_utf8(&value[FENCE..RESPONSE])
-        .ok()
-        .and_then(|f| f.parse().ok())
-        .ok_or("unreadable fence")?;
+    let parsed = Record::parse(value)?;
     let left = Duration::from_millis(u64::try_from(pttl).unwrap_or(0));
-    let (state, lease_left, status) = match value[STATE] {
-        b'i' => (RecordState::InFlight, Some(left), None),
-        b'c' => {
-            let response = StoredResponse::decode(Bytes::copy_from_slice(&value[RESPONSE..]))
-                .map_err(|e| e.to_string())?;
-            (RecordState::Completed, None, Some(response.status()))
-        }
-        other => return Err(format!("unknown state {:?}", char::from(other))),
+    let (state, lease_left, status) = match parsed.response()? {
+        None => (RecordState::InFlight, Some(left), None),
+        Some(response) => (RecordState::Completed, None, Some(response.status())),
     };
+    let (owner, fence) = (parsed.owner, parsed.fence);
     Ok(RecordInfo {
         record,
         state,
@@ -626,28 +622,17 @@ fn read_record(
     request: &ClaimRequest,
     left: Duration,
 ) -> Result<ClaimOutcome, String> {
-    if record.len() < RESPONSE {
-        return Err(format!("record of {} bytes is too short", record.len()));
-    }
-    if record[0] != LAYOUT {
-        return Err(format!(
-            "record layout version {}, expected {LAYOUT}",
-            record[0]
-        ));
-    }
-    if &record[FINGERPRINT..OWNER] != request.fingerprint().as_bytes() {
+    let record = Record::parse(record)?;
+    if !record.matches(request.fingerprint()) {
         return Ok(ClaimOutcome::Mismatch);
     }
-    match record[STATE] {
-        b'i' => Ok(ClaimOutcome::InFlight { retry_after: left }),
-        b'c' => StoredResponse::decode(Bytes::copy_from_slice(&record[RESPONSE..]))
-            .map(|response| ClaimOutcome::Completed {
-                response: Box::new(response),
-                expires_in: left,
-            })
-            .map_err(|error| error.to_string()),
-        other => Err(format!("unknown state {:?}", char::from(other))),
-    }
+    Ok(match record.response()? {
+        None => ClaimOutcome::InFlight { retry_after: left },
+        Some(response) => ClaimOutcome::Completed {
+            response: Box::new(response),
+            expires_in: left,
+        },
+    })
 }
 
 /// The time between two instants of the server's clock (µs), or zero if the second came first.
@@ -694,6 +679,8 @@ mod tests {
             Value::Int(pttl),
         ])
     }
+
+    use super::record::LAYOUT;
 
     /// A record as the scripts write it.
     fn record(layout: u8, state: u8, fingerprint: &[u8; 32], response: &[u8]) -> Vec<u8> {
