@@ -5,9 +5,10 @@
 //! ```
 //!
 //! Clients send the key as `idempotency-key` metadata. A retry gets the same `Payment` back with
-//! `idempotent-replayed: true` metadata; a retry while the first call runs gets ABORTED (with
-//! `grpc-retry-pushback-ms`); the same key with another message gets FAILED_PRECONDITION; a call
-//! that ends UNAVAILABLE (and the like) leaves the key free for a clean retry.
+//! `idempotent-replayed: true` metadata; a retry while the first call runs waits for it and gets
+//! its answer (past `IDEMPOTENCY_WAIT_MS`, ABORTED with `grpc-retry-pushback-ms`); the same key
+//! with another message gets FAILED_PRECONDITION; a call refused as INVALID_ARGUMENT, or that
+//! ends UNAVAILABLE (and the like), leaves the key free for a corrected or clean retry.
 //!
 //! It runs on the in-memory store; see `payments.rs` for Redis and Postgres. As there,
 //! `IDEMPOTENCY_LEASE_MS` sets the claim lease (30000), `IDEMPOTENCY_WAIT_MS` how long a duplicate
@@ -51,7 +52,8 @@ impl Payments for Ledger {
             .ok_or_else(|| Status::invalid_argument("idempotency-key metadata is required"))?;
         let new = request.into_inner();
         if new.amount_cents <= 0 || new.currency.len() != 3 || new.customer.is_empty() {
-            // A deterministic error: stored and replayed like a success.
+            // Refused before acting: the default policy releases the key, so the corrected
+            // request runs with the same key.
             return Err(Status::invalid_argument(
                 "amount_cents must be positive, currency a 3-letter code, customer non-empty",
             ));

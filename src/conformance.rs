@@ -90,6 +90,24 @@ fn request(record: &RecordKey, body: &str, lease: Duration) -> ClaimRequest {
     ClaimRequest::new(record.clone(), fingerprint(body), Uuid::new_v4(), lease)
 }
 
+/// A claim of `key` in `scope` by a fresh owner, for a `POST /payments` with `body`: the claim a
+/// store's own tests make, as the cases here do.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{MemoryStore, conformance::claim_request, store::{ClaimOutcome, Store}};
+///
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let store = MemoryStore::new();
+/// let claim = claim_request("tenant-1", "order-42", "{}", Duration::from_secs(30));
+/// assert!(matches!(store.claim(&claim).await, Ok(ClaimOutcome::Acquired { .. })));
+/// # });
+/// ```
+pub fn claim_request(scope: &str, key: &str, body: &str, lease: Duration) -> ClaimRequest {
+    let key = IdempotencyKey::try_from(key).expect("a valid idempotency key");
+    request(&RecordKey::new(scope, key), body, lease)
+}
+
 /// A response with every awkward part: repeated headers, opaque bytes, binary body, trailers.
 fn response() -> StoredResponse {
     let mut headers = HeaderMap::new();

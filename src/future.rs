@@ -86,7 +86,8 @@ impl<B, E> Guarded<B, E> {
         let _entered = self.span.enter();
         tracing::error!(
             "the work on a guarded request panicked outside the handler (a fingerprint hook, \
-             the completion policy or the store); the key is left to its lease"
+             the completion policy or the store); a key it claimed frees itself when its lease \
+             ends"
         );
         let key = Some(self.record.key());
         self.engine

@@ -44,7 +44,7 @@ pub struct IdempotencyLayer {
 impl IdempotencyLayer {
     /// A layer on `store`, with the defaults: guards POST and PATCH; reads the key from
     /// `Idempotency-Key`; a missing key passes through; keys are scoped by the caller's
-    /// credentials ([`scope::by_credentials`]); the fingerprint covers method, path, query,
+    /// credentials ([`scope::by_credentials`](crate::scope::by_credentials)); the fingerprint covers method, path, query,
     /// `Content-Type` and body; 1 MiB request and cached response limits; the request body must
     /// arrive within 30 s; a 30 s lease renewed while the handler runs; 24 h retention; the
     /// default [`CompletionPolicy`]; per-exchange headers (`Date`, `Set-Cookie`, request ids,
@@ -95,7 +95,7 @@ impl IdempotencyLayer {
     /// layer must sit **outside** (be added after) the idempotency layer, so that it has run
     /// when the scope is read.
     ///
-    /// The default, [`scope::by_credentials`], keeps callers with different `Authorization`
+    /// The default, [`scope::by_credentials`](crate::scope::by_credentials), keeps callers with different `Authorization`
     /// headers apart. Return a constant (`|_| Some(String::new())`) for one scope shared by
     /// every caller.
     pub fn with_scope(

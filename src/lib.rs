@@ -64,7 +64,12 @@
 //!    to its caller as it is produced and is stored without its body.
 //!
 //! The handler finds an [`IdempotencyClaim`] in the request extensions: the key, the scope and
-//! the fence.
+//! the fence. Work that panics outside the handler (a fingerprint hook, a completion policy, a
+//! store) is answered like every other answer of the layer: a 500 through
+//! [`IdempotencyLayer::with_problem_response`], or `INTERNAL` to a gRPC caller; a key already
+//! claimed frees itself when its lease ends.
+//!
+//! The repository's `ARCHITECTURE.md` names each module and what lives there, in this order.
 //!
 //! # What is promised
 //!

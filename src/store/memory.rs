@@ -433,20 +433,13 @@ impl Entry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::IdempotencyKey;
     use bytes::Bytes;
     use http::{HeaderMap, StatusCode};
 
     crate::store_conformance_tests!(async { super::MemoryStore::new() });
 
     fn request(key: &str, lease: Duration) -> ClaimRequest {
-        let parts = http::Request::post("/").body(()).unwrap().into_parts().0;
-        ClaimRequest::new(
-            RecordKey::new("s", IdempotencyKey::try_from(key).unwrap()),
-            Fingerprint::of_request(&parts, &[], b""),
-            Uuid::new_v4(),
-            lease,
-        )
+        crate::conformance::claim_request("s", key, "", lease)
     }
 
     fn response(bytes: usize) -> StoredResponse {

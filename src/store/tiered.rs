@@ -363,14 +363,12 @@ impl Breaker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{MemoryStore, RecordKey, StoreError};
-    use crate::{Fingerprint, IdempotencyKey};
+    use crate::store::{MemoryStore, StoreError};
     use http::{HeaderMap, StatusCode};
     use std::sync::{
         Arc,
         atomic::{AtomicBool, AtomicUsize},
     };
-    use uuid::Uuid;
 
     mod memory_behind_memory {
         crate::store_conformance_tests!(async {
@@ -440,13 +438,7 @@ mod tests {
     }
 
     fn request(key: &str) -> ClaimRequest {
-        let parts = http::Request::post("/").body(()).unwrap().into_parts().0;
-        ClaimRequest::new(
-            RecordKey::new("s", IdempotencyKey::try_from(key).unwrap()),
-            Fingerprint::of_request(&parts, &[], b""),
-            Uuid::new_v4(),
-            Duration::from_secs(30),
-        )
+        crate::conformance::claim_request("s", key, "", Duration::from_secs(30))
     }
 
     fn ok() -> StoredResponse {

@@ -662,13 +662,7 @@ mod tests {
     }
 
     fn request() -> ClaimRequest {
-        let parts = http::Request::post("/").body(()).unwrap().into_parts().0;
-        ClaimRequest::new(
-            RecordKey::new("s", IdempotencyKey::try_from("k").unwrap()),
-            crate::Fingerprint::of_request(&parts, &[], b""),
-            uuid::Uuid::new_v4(),
-            Duration::from_secs(30),
-        )
+        crate::conformance::claim_request("s", "k", "", Duration::from_secs(30))
     }
 
     /// The claim script's answer for a record it found, with its expiry in ms.

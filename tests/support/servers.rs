@@ -1,0 +1,354 @@
+//! Servers of the tests' own (a Redis, a Postgres cluster) and the machine's shared ones.
+
+use super::*;
+
+/// `redis-server`, for tests that start, stop or pause a Redis of their own (`REDIS_SERVER`).
+pub fn redis_server() -> PathBuf {
+    program(
+        "redis-server",
+        "REDIS_SERVER",
+        &[],
+        "install Redis (Debian: `apt install redis-server`; macOS: `brew install redis`)",
+    )
+}
+
+/// The directory of Postgres' server programs (`initdb`, `pg_ctl`), for tests that run a
+/// cluster of their own: `PG_BINDIR`, else `initdb` on `PATH`, else `pg_config --bindir`, else
+/// Debian's `/usr/lib/postgresql/<version>/bin` (newest first).
+pub fn postgres_bindir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("PG_BINDIR") {
+        let dir = PathBuf::from(dir);
+        assert!(
+            dir.join("initdb").is_file() && dir.join("pg_ctl").is_file(),
+            "PG_BINDIR={} holds no `initdb` and `pg_ctl`",
+            dir.display()
+        );
+        return dir;
+    }
+    let pg_config = Command::new("pg_config")
+        .arg("--bindir")
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+    let mut debian: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| Some(entry.ok()?.path().join("bin")))
+        .collect();
+    debian.sort_by_key(|dir| std::cmp::Reverse(postgres_major(dir)));
+    let fallbacks: Vec<PathBuf> = pg_config.into_iter().chain(debian).collect();
+    let initdb = program(
+        "initdb",
+        "PG_BINDIR",
+        &fallbacks,
+        "install the PostgreSQL server (Debian: `apt install postgresql`; macOS: `brew install \
+         postgresql`) and put its bin directory on PATH",
+    );
+    initdb.parent().unwrap().to_owned()
+}
+
+/// The major version in a `/usr/lib/postgresql/<major>/bin` path (0 when there is none).
+fn postgres_major(bin: &std::path::Path) -> u32 {
+    bin.parent()
+        .and_then(|dir| dir.file_name()?.to_str()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A `redis-server` of the test's own, on a free port, for tests that stop, pause or flush it.
+pub struct RedisServer {
+    child: Option<Child>,
+    pub port: u16,
+    paused: bool,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// A server started with extra arguments (`--requirepass`, say).
+    pub async fn start_with(extra: &[&str]) -> Self {
+        let mut server = Self {
+            child: None,
+            port: free_port(),
+            paused: false,
+            extra: extra.iter().map(|&a| a.to_owned()).collect(),
+        };
+        server.spawn().await;
+        server
+    }
+
+    async fn spawn(&mut self) {
+        let program = redis_server();
+        let child = Command::new(&program)
+            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--dir"])
+            .arg(std::env::temp_dir())
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .is_err()
+        {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (everything it held is gone).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            self.resume();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts a fresh, empty server on the same port.
+    pub async fn restart(&mut self) {
+        self.stop();
+        self.spawn().await;
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&mut self) {
+        self.signal("-STOP");
+        self.paused = true;
+    }
+
+    /// Thaws a paused server (SIGCONT).
+    pub fn resume(&mut self) {
+        if self.paused {
+            self.signal("-CONT");
+            self.paused = false;
+        }
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("server is running").id();
+        signal_pid(pid, signal);
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The machine's Redis, for tests that share it (under a unique prefix).
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// The machine's Postgres, for tests that share it (each in a schema of its own).
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// A pool whose connections live in `schema` (created if missing, with the crate's migrations
+/// applied), with a short acquire timeout so a dead database fails fast.
+pub async fn pool_in_schema(url: &str, schema: &str) -> sqlx::PgPool {
+    use sqlx::{Connection, Executor};
+
+    let options = schema_options(url, schema);
+    // Concurrent `CREATE SCHEMA IF NOT EXISTS` can race; one advisory lock serializes set-up.
+    let mut setup = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    setup
+        .execute("SELECT pg_advisory_lock(727274)")
+        .await
+        .unwrap();
+    setup
+        .execute(sqlx::AssertSqlSafe(format!(
+            r#"CREATE SCHEMA IF NOT EXISTS "{schema}""#
+        )))
+        .await
+        .unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(options)
+        .await
+        .unwrap();
+    store::PostgresStore::new(pool.clone())
+        .migrate()
+        .await
+        .unwrap();
+    setup
+        .execute("SELECT pg_advisory_unlock(727274)")
+        .await
+        .unwrap();
+    pool
+}
+
+/// Connection options for `url` whose connections resolve names in `schema`.
+pub fn schema_options(url: &str, schema: &str) -> sqlx::postgres::PgConnectOptions {
+    use std::str::FromStr;
+    sqlx::postgres::PgConnectOptions::from_str(url)
+        .unwrap()
+        .options([("search_path", schema)])
+}
+
+/// A schema of the test's own on the machine's Postgres, dropped by [`TestSchema::drop`].
+pub struct TestSchema {
+    pub name: String,
+    pub pool: sqlx::PgPool,
+}
+
+impl TestSchema {
+    pub async fn new() -> Self {
+        let name = format!("test_{}", uuid::Uuid::new_v4().simple());
+        let pool = pool_in_schema(&database_url(), &name).await;
+        Self { name, pool }
+    }
+
+    /// Drops the schema (call at the end of a test; a failed test leaves it for inspection).
+    pub async fn drop(self) {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            r#"DROP SCHEMA "{}" CASCADE"#,
+            self.name
+        )))
+        .execute(&self.pool)
+        .await
+        .unwrap();
+        self.pool.close().await;
+    }
+}
+
+/// A Postgres cluster of the test's own (initdb + pg_ctl), for tests that stop it.
+pub struct PgCluster {
+    dir: PathBuf,
+    pub port: u16,
+    bin: PathBuf,
+    running: bool,
+}
+
+impl PgCluster {
+    pub async fn start() -> Self {
+        let bin = postgres_bindir();
+        let dir = std::env::temp_dir().join(format!("pg-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        if running_as_root() {
+            // initdb refuses to run as root: the cluster belongs to an unprivileged user.
+            let user = cluster_user();
+            let status = Command::new("chown")
+                .arg(format!("{user}:"))
+                .arg(&dir)
+                .status();
+            assert!(
+                status.is_ok_and(|status| status.success()),
+                "cannot give {} to the user {user}: running as root, the test's Postgres \
+                 runs as PG_USER (default `postgres`), which must exist",
+                dir.display()
+            );
+        }
+        let mut cluster = Self {
+            dir,
+            port: free_port(),
+            bin,
+            running: false,
+        };
+        let initdb = cluster
+            .command("initdb")
+            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
+            .arg(cluster.dir.join("data"))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(initdb.success(), "initdb failed");
+        cluster.start_server().await;
+        cluster
+    }
+
+    fn command(&self, name: &str) -> Command {
+        let path = self.bin.join(name);
+        if running_as_root() {
+            let runuser = program(
+                "runuser",
+                "RUNUSER",
+                &[],
+                "running as root, the test's Postgres runs as PG_USER through `runuser` \
+                 (util-linux); install it or run the tests as an unprivileged user",
+            );
+            let mut command = Command::new(runuser);
+            command.args(["-u", &cluster_user(), "--"]).arg(path);
+            command
+        } else {
+            Command::new(path)
+        }
+    }
+
+    pub async fn start_server(&mut self) {
+        let options = format!(
+            "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off",
+            self.port,
+            self.dir.display()
+        );
+        let status = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-l"])
+            .arg(self.dir.join("log"))
+            .args(["-o", &options, "-w", "start"])
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "pg_ctl start failed");
+        self.running = true;
+    }
+
+    /// Stops the server at once, as a crash would (`-m immediate`).
+    pub fn stop_server(&mut self) {
+        let status = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-m", "immediate", "-w", "stop"])
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "pg_ctl stop failed");
+        self.running = false;
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+/// The unprivileged user a root test run starts its Postgres as.
+fn cluster_user() -> String {
+    std::env::var("PG_USER").unwrap_or_else(|_| "postgres".into())
+}
+
+fn running_as_root() -> bool {
+    Command::new("id").arg("-u").output().unwrap().stdout == b"0\n"
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        if self.running {
+            self.stop_server();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `url` with `search_path` set to `schema` for every connection.
+pub fn url_in_schema(url: &str, schema: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}options[search_path]={schema}")
+}
