@@ -841,3 +841,54 @@ async fn claims_and_fences_stay_index_lookups_after_the_table_grew_from_empty() 
     assert!(after.1 - before.1 >= 51, "{before:?} → {after:?}");
     schema.drop().await;
 }
+
+/// A claim that settles a row under its lock and finds it taken (another transaction holds it)
+/// ends its transaction before its connection goes back: a transaction left open on an idle
+/// connection keeps its locks until that connection's next use, so a quiet system would see
+/// the key in flight, and `DROP SCHEMA` (or a migration) wait, for as long.
+#[tokio::test]
+async fn a_claim_that_settles_a_locked_row_leaves_no_transaction_open() {
+    let schema = TestSchema::new().await;
+    let application = format!("settle-{}", Uuid::new_v4().simple());
+    let options = schema_options(&database_url(), &schema.name).application_name(&application);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool.clone());
+    let short = Duration::from_millis(100);
+    acquire(&store, &claim_request("k-locked", short)).await;
+    tokio::time::sleep(short * 3).await;
+
+    // The expired row is locked by a transaction of someone else's: the claim must settle it
+    // under its lock, finds it taken, and answers in flight.
+    let mut holder = schema.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_keys WHERE key = 'k-locked' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let outcome = store.claim(&claim_request("k-locked", LONG)).await.unwrap();
+    assert!(
+        matches!(outcome, ClaimOutcome::InFlight { .. }),
+        "{outcome:?}"
+    );
+    holder.rollback().await.unwrap();
+
+    let open: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE application_name = $1 AND state LIKE 'idle in transaction%'",
+    )
+    .bind(&application)
+    .fetch_one(&schema.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        open, 0,
+        "the store left a transaction open on an idle connection"
+    );
+    // And the key is claimable at once, not after the idle connection's next use.
+    acquire(&store, &claim_request("k-locked", LONG)).await;
+    pool.close().await;
+    schema.drop().await;
+}

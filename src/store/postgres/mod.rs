@@ -19,8 +19,8 @@ use tokio::task::JoinHandle;
 
 use self::{connections::Connections, sql::*};
 use super::{
-    BoxError, BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordInfo, RecordKey,
-    RecordState, Store, StoreError,
+    BoxError, BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo,
+    RecordKey, RecordState, Store, StoreError,
 };
 use crate::StoredResponse;
 
@@ -401,13 +401,25 @@ fn column_millis(row: &PgRow, column: &str) -> Result<Duration, StoreError> {
     ))
 }
 
-/// See [`PostgresStore::settle`]: in a transaction of its own on `connection`.
+/// See [`PostgresStore::settle`]: in a transaction of its own on `connection`, which ends
+/// before the connection goes back, whatever the row said: a transaction left open would keep
+/// its row lock (and the key in flight) on an idle connection until its next use.
 async fn settle(
     connection: &mut PgConnection,
     request: &ClaimRequest,
 ) -> Result<Option<ClaimOutcome>, sqlx::Error> {
-    let record = request.record();
     let mut tx = connection.begin().await?;
+    let outcome = settle_in(&mut tx, request).await?;
+    tx.commit().await?;
+    Ok(outcome)
+}
+
+/// The statements of [`settle`], in its transaction.
+async fn settle_in(
+    tx: &mut PgConnection,
+    request: &ClaimRequest,
+) -> Result<Option<ClaimOutcome>, sqlx::Error> {
+    let record = request.record();
     let locked = sqlx::query(LOCK)
         .bind(record.scope())
         .bind(record.key().as_str())
@@ -426,7 +438,7 @@ async fn settle(
     };
     let flag = |column| row.try_get::<bool, _>(column);
     let state: String = row.try_get("state")?;
-    let outcome = if !flag("live")? {
+    if !flag("live")? {
         let fence: i64 = sqlx::query_scalar(TAKE_OVER)
             .bind(record.scope())
             .bind(record.key().as_str())
@@ -435,28 +447,25 @@ async fn settle(
             .bind(millis(request.lease()))
             .fetch_one(&mut *tx)
             .await?;
-        ClaimOutcome::Acquired {
-            fence: u64::try_from(fence).unwrap_or_default(),
-        }
-    } else if state == "committed"
+        let fence = u64::try_from(fence).unwrap_or_default();
+        return Ok(Some(ClaimOutcome::Acquired { fence }));
+    }
+    let lapsed = state == "committed"
         && flag("same")?
         && !flag("answered")?
         && !flag("leased")?
-        && !flag("suspect")?
-    {
-        let grace = request.lease() / 2;
-        sqlx::query(SUSPECT)
-            .bind(record.scope())
-            .bind(record.key().as_str())
-            .bind(millis(grace))
-            .execute(&mut *tx)
-            .await?;
-        ClaimOutcome::InFlight { retry_after: grace }
-    } else {
+        && !flag("suspect")?;
+    if !lapsed {
         return Ok(None);
-    };
-    tx.commit().await?;
-    Ok(Some(outcome))
+    }
+    let grace = request.lease() / 2;
+    sqlx::query(SUSPECT)
+        .bind(record.scope())
+        .bind(record.key().as_str())
+        .bind(millis(grace))
+        .execute(&mut *tx)
+        .await?;
+    Ok(Some(ClaimOutcome::InFlight { retry_after: grace }))
 }
 
 impl Store for PostgresStore {
