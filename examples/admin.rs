@@ -6,7 +6,11 @@
 //! cargo run --example admin -- forget order-42         # delete it in every tier
 //! cargo run --example admin -- stuck 5m                # keys in flight for 5 minutes or more
 //! cargo run --example admin -- inspect order-42 --scope cred:9f86d081884c7d659a2feaa0c55ad015
+//! cargo run --example admin -- doctor                  # the stores' settings that break guarantees
 //! ```
+//!
+//! `doctor` prints a line per check (`Store::diagnose`) and exits 1 when a guarantee is at risk,
+//! so a deployment can run it before it sends traffic.
 //!
 //! It reads `DATABASE_URL` and `REDIS_URL` (or `REDIS_CLUSTER_NODES`) as `payments.rs` does (and `REDIS_PREFIX`, if the
 //! records live under another prefix than `idempotency:`). `--scope` is the key's scope:
@@ -97,7 +101,7 @@ impl Stores {
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: admin inspect KEY | forget KEY | stuck DURATION  [--scope SCOPE] [--limit N]\n\
+        "usage: admin inspect KEY | forget KEY | stuck DURATION | doctor  [--scope SCOPE] [--limit N]\n\
          DURATION: 90s, 5m, 2h, 1d, 500ms or seconds"
     );
     ExitCode::from(2)
@@ -154,9 +158,10 @@ async fn main() -> ExitCode {
     };
     let scope = option("--scope").map_or(ANONYMOUS_SCOPE, String::as_str);
     let limit: usize = option("--limit").and_then(|l| l.parse().ok()).unwrap_or(50);
-    let (Some(command), Some(argument)) = (args.first(), args.get(1)) else {
+    let Some(command) = args.first() else {
         return usage();
     };
+    let argument = args.get(1).map_or("", String::as_str);
     let stores = match Stores::open() {
         Ok(stores) => stores,
         Err(error) => {
@@ -165,7 +170,7 @@ async fn main() -> ExitCode {
         }
     };
     let record = || -> Result<RecordKey, String> {
-        let key = IdempotencyKey::try_from(argument.as_str()).map_err(|e| e.to_string())?;
+        let key = IdempotencyKey::try_from(argument).map_err(|e| e.to_string())?;
         Ok(RecordKey::new(scope, key))
     };
     let result: Result<(), String> = match command.as_str() {
@@ -250,6 +255,16 @@ async fn main() -> ExitCode {
                 Ok(())
             }
             .await
+        }
+        "doctor" => {
+            let diagnosis = stores.store().diagnose().await;
+            print!("{diagnosis}");
+            let worst = diagnosis.worst();
+            println!("worst: {}", worst.as_str());
+            if diagnosis.at_risk() {
+                return ExitCode::FAILURE;
+            }
+            Ok(())
         }
         _ => return usage(),
     };

@@ -187,3 +187,40 @@ async fn a_failover_and_a_resharding_mid_run_run_nothing_twice() {
     assert_eq!(runs.len(), k, "every key ran");
     assert!(runs.values().all(|&n| n == 1), "a key ran twice");
 }
+
+/// The doctor checks every master of a cluster and its slot coverage: a healthy cluster has
+/// nothing to report; one with a slot nobody serves is at risk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_doctor_checks_every_master_and_the_slot_coverage() {
+    use tower_idempotency::store::Severity;
+
+    let shared = tokio::task::spawn_blocking(RedisCluster::shared)
+        .await
+        .unwrap();
+    let diagnosis = store_on(shared).diagnose().await;
+    println!("{diagnosis}");
+    assert_eq!(diagnosis.worst(), Severity::Ok, "{diagnosis}");
+    assert_eq!(diagnosis.of("version").count(), 3, "one line per master");
+    assert_eq!(diagnosis.of("persistence").count(), 3);
+    let coverage = diagnosis.of("cluster").next().expect("a cluster finding");
+    assert!(coverage.message.contains("16384 of 16384"), "{coverage}");
+
+    // A cluster of its own, where every node forgets who serves slot 0.
+    let cluster = tokio::task::spawn_blocking(|| {
+        let cluster = RedisCluster::start();
+        for port in cluster.masters() {
+            cluster.cli(port, &["cluster", "delslots", "0"]);
+        }
+        cluster
+    })
+    .await
+    .unwrap();
+    let diagnosis = store_on(&cluster).diagnose().await;
+    println!("{diagnosis}");
+    let coverage = diagnosis.of("cluster").next().expect("a cluster finding");
+    assert_eq!(coverage.severity, Severity::Risk, "{diagnosis}");
+    assert!(coverage.message.contains("16383 of 16384"), "{coverage}");
+    tokio::task::spawn_blocking(move || drop(cluster))
+        .await
+        .unwrap();
+}

@@ -86,12 +86,16 @@ impl Engine {
         key: Option<&IdempotencyKey>,
         grpc: bool,
     ) -> Response<ResponseBody<B>> {
-        (self.settings.answers).respond(&self.telemetry, rejection, key, grpc)
+        self.settings
+            .answers
+            .respond(&self.telemetry, rejection, key, grpc)
     }
 
     /// Reports what the layer did with a request on its answer.
     fn report<B>(&self, outcome: IdempotencyOutcome, response: &mut Response<B>) {
-        (self.settings.answers).report(&self.telemetry, outcome, response);
+        self.settings
+            .answers
+            .report(&self.telemetry, outcome, response);
     }
 }
 

@@ -9,8 +9,8 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::{
-    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordInfo, RecordKey, RecordState,
-    Store, StoreError,
+    BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
+    RecordState, Severity, Store, StoreError,
 };
 use crate::{Fingerprint, StoredResponse};
 
@@ -359,6 +359,14 @@ impl Store for MemoryStore {
 
     fn kind(&self) -> &'static str {
         "memory"
+    }
+
+    fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
+        let mut diagnosis = Diagnosis::default();
+        let message = "one process only: instances that do not share it are not protected from \
+                       each other; use Redis and Postgres for a fleet";
+        diagnosis.push(Severity::Warning, "memory", "fleet", message);
+        Box::pin(std::future::ready(diagnosis))
     }
 
     fn inspect<'a>(

@@ -37,6 +37,7 @@ use uuid::Uuid;
 
 use crate::{Fingerprint, IdempotencyKey, StoredResponse};
 
+mod diagnosis;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -44,6 +45,7 @@ mod postgres;
 mod redis;
 mod tiered;
 
+pub use diagnosis::{Diagnosis, Finding, Severity};
 pub use memory::{DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MAX_ENTRIES, MemoryStore};
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::commit;
@@ -144,6 +146,14 @@ pub trait Store: Send + Sync + 'static {
             })
         })
     }
+
+    /// Checks the servers the store runs on for the settings that break its guarantees (an
+    /// evicting Redis, Postgres migrations behind the crate's, …), for an operator or an app at
+    /// start-up: a finding per check, never an error (a server that cannot be reached is a
+    /// finding too). Stores without checks say so in a warning.
+    fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
+        Box::pin(async move { diagnosis::unchecked(self) })
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -196,6 +206,10 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         limit: usize,
     ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
         (**self).stuck(older_than, limit)
+    }
+
+    fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
+        (**self).diagnose()
     }
 }
 

@@ -6,8 +6,8 @@ use std::{
 };
 
 use super::{
-    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordInfo, RecordKey, Store,
-    StoreError,
+    BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
+    Severity, Store, StoreError,
 };
 use crate::StoredResponse;
 
@@ -255,6 +255,23 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
 
     fn kind(&self) -> &'static str {
         "tiered"
+    }
+
+    /// The front's findings, its risks lowered to warnings (the authority keeps the guarantee
+    /// whatever the front loses: only the authority's load rises), then the authority's.
+    fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
+        Box::pin(async move {
+            let (front, authority) = tokio::join!(self.front.diagnose(), self.authority.diagnose());
+            let mut findings = front.findings;
+            for finding in &mut findings {
+                if finding.severity == Severity::Risk {
+                    finding.severity = Severity::Warning;
+                    finding.message.push_str(" (as a front: the authority behind it keeps the guarantee, only its load rises)");
+                }
+            }
+            findings.extend(authority.findings);
+            Diagnosis { findings }
+        })
     }
 
     /// The authority's record: the truth. [`TieredStore::inspect_tiers`] shows both.

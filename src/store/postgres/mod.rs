@@ -1,6 +1,7 @@
 //! The Postgres store: the source of truth, a row per key behind a primary key.
 
 mod connections;
+mod diagnose;
 mod sql;
 
 use std::{
@@ -571,6 +572,10 @@ impl Store for PostgresStore {
 
     fn kind(&self) -> &'static str {
         "postgres"
+    }
+
+    fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
+        Box::pin(self.diagnosis())
     }
 
     fn inspect<'a>(

@@ -1,5 +1,6 @@
 //! The Redis store: every state change is one ownership-checked Lua script.
 
+mod diagnose;
 mod record;
 
 use std::{
@@ -19,8 +20,8 @@ use tokio::sync::OnceCell;
 
 use self::record::Record;
 use super::{
-    BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordInfo, RecordKey, RecordState,
-    Store, StoreError,
+    BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
+    RecordState, Store, StoreError,
 };
 use crate::StoredResponse;
 
@@ -430,6 +431,10 @@ impl Store for RedisStore {
 
     fn kind(&self) -> &'static str {
         "redis"
+    }
+
+    fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
+        Box::pin(self.diagnosis())
     }
 
     fn inspect<'a>(

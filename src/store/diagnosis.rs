@@ -1,0 +1,140 @@
+//! What an operator should know about the servers a store runs on: [`Store::diagnose`].
+
+use std::fmt;
+
+use super::Store;
+
+/// How much a [`Finding`] matters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum Severity {
+    /// As it should be; said so that the report shows what was checked.
+    Ok,
+    /// Worth a look: costs load or time, or could not be checked, but no guarantee depends on it.
+    Warning,
+    /// A guarantee is at risk: a retry may run twice, or a key may never converge.
+    Risk,
+}
+
+impl Severity {
+    /// `ok`, `warning` or `risk`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Warning => "warning",
+            Self::Risk => "risk",
+        }
+    }
+}
+
+/// The result of one check of a store's server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Finding {
+    /// How much it matters.
+    pub severity: Severity,
+    /// The store it is about ([`Store::kind`]).
+    pub store: &'static str,
+    /// What was checked, a stable name: `version`, `maxmemory-policy`, `migrations`, …
+    pub check: &'static str,
+    /// What was found and, unless it is fine, what to do.
+    pub message: String,
+}
+
+impl Finding {
+    /// A finding of `severity`.
+    pub fn new(
+        severity: Severity,
+        store: &'static str,
+        check: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            severity,
+            store,
+            check,
+            message: message.into(),
+        }
+    }
+}
+
+/// `risk     redis     maxmemory-policy  allkeys-lru evicts …`: one line, aligned.
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:<8} {:<9} {:<20} {}",
+            self.severity.as_str(),
+            self.store,
+            self.check,
+            self.message
+        )
+    }
+}
+
+/// Everything [`Store::diagnose`] found, in the order it checked.
+///
+/// ```
+/// use tower_idempotency::{MemoryStore, store::{Severity, Store}};
+///
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let diagnosis = MemoryStore::new().diagnose().await;
+/// // One process only: nothing protects a fleet.
+/// assert_eq!(diagnosis.worst(), Severity::Warning);
+/// println!("{diagnosis}");
+/// # });
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Diagnosis {
+    /// The findings, one per check (per server, on a cluster).
+    pub findings: Vec<Finding>,
+}
+
+impl Diagnosis {
+    /// The most serious finding's severity (`Ok` when there is none).
+    pub fn worst(&self) -> Severity {
+        self.findings
+            .iter()
+            .map(|finding| finding.severity)
+            .max()
+            .unwrap_or(Severity::Ok)
+    }
+
+    /// Whether any finding puts a guarantee at risk: an operator's check should fail.
+    pub fn at_risk(&self) -> bool {
+        self.worst() == Severity::Risk
+    }
+
+    /// The findings of `check`.
+    pub fn of(&self, check: &str) -> impl Iterator<Item = &Finding> {
+        self.findings.iter().filter(move |f| f.check == check)
+    }
+
+    pub(crate) fn push(
+        &mut self,
+        severity: Severity,
+        store: &'static str,
+        check: &'static str,
+        message: impl Into<String>,
+    ) {
+        self.findings
+            .push(Finding::new(severity, store, check, message));
+    }
+}
+
+/// A line per finding.
+impl fmt::Display for Diagnosis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.findings
+            .iter()
+            .try_for_each(|finding| writeln!(f, "{finding}"))
+    }
+}
+
+/// The default of [`Store::diagnose`]: a store that has no checks says so.
+pub(crate) fn unchecked(store: &(impl Store + ?Sized)) -> Diagnosis {
+    let mut diagnosis = Diagnosis::default();
+    let message = "this store has no checks of its own: diagnose its servers by their own means";
+    diagnosis.push(Severity::Warning, store.kind(), "checks", message);
+    diagnosis
+}

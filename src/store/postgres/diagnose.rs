@@ -1,0 +1,203 @@
+//! [`Store::diagnose`](crate::store::Store::diagnose) for Postgres: the server version, the
+//! crate's migrations, the session timeouts of the application's pool (on which the handlers'
+//! fence transactions run), whether the sweeper keeps up, and the table's size.
+
+use std::time::Duration;
+
+use sqlx::Row;
+
+use super::{MIGRATOR, PostgresStore, STORE};
+use crate::store::{Diagnosis, Severity, StoreError};
+
+/// An expired row older than this says the sweeper is not running (or not keeping up).
+const SWEEPER_LAG: Duration = Duration::from_secs(3600);
+
+impl PostgresStore {
+    pub(super) async fn diagnosis(&self) -> Diagnosis {
+        let mut diagnosis = Diagnosis::default();
+        match self.server_version().await {
+            Ok(version) => diagnosis.push(Severity::Ok, STORE, "version", version),
+            Err(error) => {
+                let cause =
+                    std::error::Error::source(&error).map_or(String::new(), |s| format!(": {s}"));
+                let message =
+                    format!("could not be reached ({error}{cause}): claims fail while it is so");
+                diagnosis.push(Severity::Risk, STORE, "reachable", message);
+                return diagnosis;
+            }
+        }
+        let migrated = self.migrations().await;
+        let table = migrated.as_ref().is_ok_and(|(table, _)| *table);
+        let (severity, message) = migrated.map_or_else(could_not, |(_, found)| found);
+        diagnosis.push(severity, STORE, "migrations", message);
+        for (check, setting, severity_if_off, why) in TIMEOUTS {
+            let (severity, message) = self
+                .timeout_setting(setting, severity_if_off, why)
+                .await
+                .unwrap_or_else(could_not);
+            diagnosis.push(severity, STORE, check, message);
+        }
+        if !table {
+            return diagnosis;
+        }
+        let (severity, message) = self.sweeper().await.unwrap_or_else(could_not);
+        diagnosis.push(severity, STORE, "sweeper", message);
+        let (severity, message) = self.size().await.unwrap_or_else(could_not);
+        diagnosis.push(severity, STORE, "size", message);
+        diagnosis
+    }
+
+    async fn server_version(&self) -> Result<String, StoreError> {
+        let row = self
+            .bounded(sqlx::query("SELECT version()").fetch_one(&self.pool))
+            .await?;
+        let version: String = row.try_get(0).map_err(super::backend)?;
+        Ok(version.split(" on ").next().unwrap_or(&version).to_owned())
+    }
+
+    /// Whether the table exists, and the crate's migrations applied, as recorded by
+    /// `PostgresStore::migrate` or by sqlx's own migrator (`MIGRATOR.run`, `sqlx migrate run`).
+    async fn migrations(&self) -> Result<(bool, (Severity, String)), StoreError> {
+        let tables = sqlx::query(
+            "SELECT to_regclass('idempotency_keys') IS NOT NULL, \
+                    to_regclass('_tower_idempotency_migrations') IS NOT NULL, \
+                    to_regclass('_sqlx_migrations') IS NOT NULL",
+        );
+        let row = self.bounded(tables.fetch_one(&self.pool)).await?;
+        let get = |i| row.try_get::<bool, _>(i).map_err(super::backend);
+        let (table, ours, sqlx_own) = (get(0)?, get(1)?, get(2)?);
+        let mut applied: Vec<i64> = Vec::new();
+        let logs = [
+            (
+                ours,
+                "SELECT version FROM _tower_idempotency_migrations WHERE success",
+            ),
+            (
+                sqlx_own,
+                "SELECT version FROM _sqlx_migrations WHERE success",
+            ),
+        ];
+        for (present, query) in logs {
+            if present {
+                let rows = self
+                    .bounded(sqlx::query(query).fetch_all(&self.pool))
+                    .await?;
+                for row in rows {
+                    applied.push(row.try_get(0).map_err(super::backend)?);
+                }
+            }
+        }
+        let missing: Vec<i64> = MIGRATOR
+            .iter()
+            .map(|migration| migration.version)
+            .filter(|version| !applied.contains(version))
+            .collect();
+        let total = MIGRATOR.iter().count();
+        Ok((
+            table,
+            match (table, missing.as_slice()) {
+                (true, []) => (Severity::Ok, format!("{total} of {total} applied")),
+                (false, _) => (
+                    Severity::Risk,
+                    "no idempotency_keys table on the search_path: every claim fails; run \
+                 PostgresStore::migrate"
+                        .into(),
+                ),
+                (true, missing) => (
+                    Severity::Risk,
+                    format!(
+                        "{} of {total} applied, missing {missing:?}: claims or fences fail; run \
+                     PostgresStore::migrate",
+                        total - missing.len()
+                    ),
+                ),
+            },
+        ))
+    }
+
+    /// A session timeout of the application's pool, where zero means none.
+    async fn timeout_setting(
+        &self,
+        setting: &str,
+        severity_if_off: Severity,
+        why: &str,
+    ) -> Result<(Severity, String), StoreError> {
+        let query = sqlx::query("SELECT current_setting($1)").bind(setting);
+        let row = self.bounded(query.fetch_one(&self.pool)).await?;
+        let value: String = row.try_get(0).map_err(super::backend)?;
+        Ok(if value == "0" {
+            (severity_if_off, format!("{setting} is 0 (none): {why}"))
+        } else {
+            (Severity::Ok, format!("{setting} {value}"))
+        })
+    }
+
+    /// How long the oldest expired row has waited for the sweeper.
+    async fn sweeper(&self) -> Result<(Severity, String), StoreError> {
+        let query = sqlx::query(
+            "SELECT extract(epoch FROM now() - min(expires_at))::float8 FROM idempotency_keys \
+             WHERE expires_at < now()",
+        );
+        let row = self.bounded(query.fetch_one(&self.pool)).await?;
+        let oldest: Option<f64> = row.try_get(0).map_err(super::backend)?;
+        Ok(match oldest.map(Duration::from_secs_f64) {
+            None => (Severity::Ok, "no expired rows waiting".into()),
+            Some(age) if age < SWEEPER_LAG => (
+                Severity::Ok,
+                format!("oldest expired row {} s old", age.as_secs()),
+            ),
+            Some(age) => (
+                Severity::Warning,
+                format!(
+                    "oldest expired row {} min old: is a sweeper running \
+                     (PostgresStore::spawn_sweeper)? the table grows without one",
+                    age.as_secs() / 60
+                ),
+            ),
+        })
+    }
+
+    /// The table's rows (the planner's estimate) and bytes, partitions included.
+    async fn size(&self) -> Result<(Severity, String), StoreError> {
+        let query = sqlx::query(
+            "SELECT coalesce(sum(pg_total_relation_size(p.relid)), 0)::int8, \
+                    coalesce(sum(greatest(c.reltuples, 0)), 0)::int8 \
+             FROM pg_partition_tree('idempotency_keys') p JOIN pg_class c ON c.oid = p.relid",
+        );
+        let row = self.bounded(query.fetch_one(&self.pool)).await?;
+        let bytes: i64 = row.try_get(0).map_err(super::backend)?;
+        let rows: i64 = row.try_get(1).map_err(super::backend)?;
+        let mib = bytes as f64 / (1024.0 * 1024.0);
+        Ok((
+            Severity::Ok,
+            format!("idempotency_keys: about {rows} rows, {mib:.1} MiB"),
+        ))
+    }
+}
+
+/// The timeouts checked on the application's pool (the check's name, the setting's): what their
+/// absence costs.
+const TIMEOUTS: [(&str, &str, Severity, &str); 2] = [
+    (
+        "idle_in_transaction",
+        "idle_in_transaction_session_timeout",
+        Severity::Risk,
+        "an owner frozen inside its fence transaction holds its key's row lock for as long as it \
+         is frozen, and its key never converges; set it (say 60s) for the application's role",
+    ),
+    (
+        "statement_timeout",
+        "statement_timeout",
+        Severity::Warning,
+        "the handlers' statements are unbounded (the store bounds its own); consider one",
+    ),
+];
+
+/// A check that could not run.
+fn could_not(error: StoreError) -> (Severity, String) {
+    let cause = std::error::Error::source(&error).map_or(String::new(), |s| format!(": {s}"));
+    (
+        Severity::Warning,
+        format!("could not be checked: {error}{cause}"),
+    )
+}

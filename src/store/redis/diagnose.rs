@@ -1,0 +1,234 @@
+//! [`Store::diagnose`](crate::store::Store::diagnose) for Redis: on each master, the server
+//! version and the compare-and-set commands it has, `maxmemory-policy`, persistence and
+//! replicas; on a cluster, slot coverage.
+
+use ::redis::{Pipeline, Value};
+
+use super::{Node, RedisStore, STORE};
+use crate::store::{Diagnosis, Severity, StoreError};
+
+impl RedisStore {
+    pub(super) async fn diagnosis(&self) -> Diagnosis {
+        let mut diagnosis = Diagnosis::default();
+        let masters = match self.call(async |c| c.masters().await).await {
+            Ok(masters) => masters,
+            Err(error) => {
+                diagnosis.push(Severity::Risk, STORE, "reachable", unreachable(&error));
+                return diagnosis;
+            }
+        };
+        if masters.first().is_some_and(Option::is_some) {
+            self.check_slots(&masters, &mut diagnosis).await;
+        }
+        for node in &masters {
+            self.check_node(node, &mut diagnosis).await;
+        }
+        diagnosis
+    }
+
+    /// One command's reply on `node`.
+    async fn ask(&self, node: &Node, args: &[&str]) -> Result<Value, StoreError> {
+        let mut pipe = Pipeline::new();
+        let command = pipe.cmd(args[0]);
+        for arg in &args[1..] {
+            command.arg(*arg);
+        }
+        let mut replies = self
+            .call(async |connection| connection.pipeline_on(node, &pipe).await)
+            .await?;
+        Ok(replies.pop().unwrap_or(Value::Nil))
+    }
+
+    /// `INFO section` on `node`, as its `field:value` lines.
+    async fn info(&self, node: &Node, section: &str) -> Result<Info, StoreError> {
+        let reply = self.ask(node, &["INFO", section]).await?;
+        let text: String = super::from_value(reply)?;
+        Ok(Info(text))
+    }
+
+    async fn check_node(&self, node: &Node, diagnosis: &mut Diagnosis) {
+        let on = match node {
+            Some((host, port)) => format!("{host}:{port}: "),
+            None => String::new(),
+        };
+        match self.info(node, "server").await {
+            Ok(server) => {
+                let commands = self.compare_and_set(node).await;
+                let (severity, message) = version(&server, &commands);
+                diagnosis.push(severity, STORE, "version", format!("{on}{message}"));
+            }
+            Err(error) => {
+                let message = format!("{on}{}", unreachable(&error));
+                diagnosis.push(Severity::Risk, STORE, "reachable", message);
+                return;
+            }
+        }
+        let policy = self.ask(node, &["CONFIG", "GET", "maxmemory-policy"]).await;
+        let (severity, message) = eviction(policy.and_then(super::from_value));
+        diagnosis.push(
+            severity,
+            STORE,
+            "maxmemory-policy",
+            format!("{on}{message}"),
+        );
+        let save = self.ask(node, &["CONFIG", "GET", "save"]).await;
+        let persistence = self.info(node, "persistence").await;
+        let replication = self.info(node, "replication").await;
+        let (severity, message) = durability(
+            save.and_then(super::from_value),
+            persistence.ok(),
+            replication.ok(),
+        );
+        diagnosis.push(severity, STORE, "persistence", format!("{on}{message}"));
+    }
+
+    /// Which of `DELIFEQ` and `DELEX` the server knows (`COMMAND INFO` answers nil for others).
+    async fn compare_and_set(&self, node: &Node) -> Vec<&'static str> {
+        let names = ["DELIFEQ", "DELEX"];
+        let reply = self
+            .ask(node, &["COMMAND", "INFO", names[0], names[1]])
+            .await;
+        let Ok(Value::Array(infos)) = reply else {
+            return Vec::new();
+        };
+        names
+            .into_iter()
+            .zip(infos)
+            .filter(|(_, info)| !matches!(info, Value::Nil))
+            .map(|(name, _)| name)
+            .collect()
+    }
+
+    async fn check_slots(&self, masters: &[Node], diagnosis: &mut Diagnosis) {
+        let info = self.ask(&masters[0], &["CLUSTER", "INFO"]).await;
+        let (severity, message) = match info.and_then(super::from_value::<String>) {
+            Ok(text) => {
+                let info = Info(text);
+                let state = info.get("cluster_state").unwrap_or("?").to_owned();
+                let assigned = info.get("cluster_slots_assigned").unwrap_or("?").to_owned();
+                let failing = info.get("cluster_slots_fail").unwrap_or("0").to_owned();
+                let message = format!(
+                    "{} masters, state {state}, {assigned} of 16384 slots assigned, {failing} failing",
+                    masters.len()
+                );
+                let covered = state == "ok" && assigned == "16384" && failing == "0";
+                if covered {
+                    (Severity::Ok, message)
+                } else {
+                    let fix = "keys of uncovered slots cannot be claimed: fix the cluster";
+                    (Severity::Risk, format!("{message}: {fix}"))
+                }
+            }
+            Err(error) => (Severity::Risk, unreachable(&error)),
+        };
+        diagnosis.push(severity, STORE, "cluster", message);
+    }
+}
+
+/// The lines of an `INFO` reply.
+struct Info(String);
+
+impl Info {
+    fn get(&self, field: &str) -> Option<&str> {
+        self.0.lines().find_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            (name == field).then_some(value.trim())
+        })
+    }
+}
+
+fn unreachable(error: &StoreError) -> String {
+    let error: &dyn std::error::Error = error;
+    let mut message = error.to_string();
+    if let Some(source) = error.source() {
+        message = format!("{message}: {source}");
+    }
+    format!("could not be reached ({message}): claims fail while it is so")
+}
+
+/// `major.minor.patch` of a version string.
+fn triple(version: &str) -> (u32, u32, u32) {
+    let mut parts = version.split('.').map(|p| p.parse().unwrap_or(0));
+    let mut next = || parts.next().unwrap_or(0);
+    (next(), next(), next())
+}
+
+/// The server's name and version, and which compare-and-set commands it offers.
+fn version(server: &Info, commands: &[&str]) -> (Severity, String) {
+    let (name, version) = match server.get("valkey_version") {
+        Some(version) => ("Valkey", version),
+        None => ("Redis", server.get("redis_version").unwrap_or("unknown")),
+    };
+    let v = triple(version);
+    // SET … IFEQ: Valkey 8.1, Redis 8.4; DELIFEQ and DELEX are asked of the server itself.
+    let set_ifeq = if name == "Valkey" {
+        v >= (8, 1, 0)
+    } else {
+        v >= (8, 4, 0)
+    };
+    let mut offers: Vec<&str> = set_ifeq.then_some("SET IFEQ").into_iter().collect();
+    offers.extend(commands);
+    let offers = match offers.is_empty() {
+        true => "none".to_owned(),
+        false => offers.join(", "),
+    };
+    let message = format!("{name} {version}; compare-and-set commands: {offers}");
+    if name == "Redis" && v < (6, 2, 0) {
+        let fix = "the store needs Redis 6.2 or newer";
+        return (Severity::Risk, format!("{message}: {fix}"));
+    }
+    (Severity::Ok, message)
+}
+
+/// What `maxmemory-policy` does to records: every record has an expiry, so a `volatile-*`
+/// policy evicts them as surely as an `allkeys-*` one.
+fn eviction(policy: Result<Vec<String>, StoreError>) -> (Severity, String) {
+    match policy.as_deref() {
+        Ok([_, policy]) if policy == "noeviction" => (Severity::Ok, "noeviction".into()),
+        Ok([_, policy]) => (
+            Severity::Risk,
+            format!(
+                "{policy} evicts records under memory pressure (keys in flight included): a \
+                 retry may run again; set maxmemory-policy noeviction"
+            ),
+        ),
+        Ok(_) | Err(_) => (
+            Severity::Warning,
+            "could not be read (CONFIG GET refused?): make sure it is noeviction".into(),
+        ),
+    }
+}
+
+/// Whether completed records survive a restart: append-only file, snapshots, replicas.
+fn durability(
+    save: Result<Vec<String>, StoreError>,
+    persistence: Option<Info>,
+    replication: Option<Info>,
+) -> (Severity, String) {
+    let aof = persistence
+        .as_ref()
+        .and_then(|info| info.get("aof_enabled"))
+        .is_some_and(|on| on == "1");
+    let snapshots = matches!(save.as_deref(), Ok([_, rules]) if !rules.is_empty());
+    let replicas: u32 = replication
+        .as_ref()
+        .and_then(|info| info.get("connected_slaves"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    let found = format!(
+        "append-only file {}, snapshots {}, replicas {replicas}",
+        if aof { "on" } else { "off" },
+        if snapshots { "on" } else { "off" }
+    );
+    if aof || replicas > 0 {
+        (Severity::Ok, found)
+    } else if snapshots {
+        let why = "a restart loses the records written since the last snapshot: turn on \
+                   appendonly, or add a replica";
+        (Severity::Warning, format!("{found}: {why}"))
+    } else {
+        let why = "a restart loses every record, and retries of completed keys run again: turn \
+                   on appendonly, or add a replica";
+        (Severity::Risk, format!("{found}: {why}"))
+    }
+}

@@ -1,0 +1,209 @@
+//! `Store::diagnose` and the admin example's `doctor`, against servers misconfigured on purpose
+//! (each finding must fire) and against a healthy setup (none may).
+
+mod support;
+
+use std::process::Command;
+
+use support::{RedisServer, TestSchema, database_url, free_port, schema_options, url_in_schema};
+use tower_idempotency::{
+    MemoryStore,
+    store::{Diagnosis, PostgresStore, RedisStore, Severity, Store, TieredStore},
+};
+
+/// The severity of `check`'s finding (the worst, on a cluster); fails the test if it is absent.
+fn severity(diagnosis: &Diagnosis, check: &str) -> Severity {
+    diagnosis
+        .of(check)
+        .map(|finding| finding.severity)
+        .max()
+        .unwrap_or_else(|| panic!("no {check} finding in\n{diagnosis}"))
+}
+
+/// A Redis that keeps its records: never evicts, writes an append-only file.
+async fn healthy_redis() -> RedisServer {
+    RedisServer::start_with(&["--maxmemory-policy", "noeviction", "--appendonly", "yes"]).await
+}
+
+/// The session settings a healthy application pool has.
+const HEALTHY_SESSION: [(&str, &str); 2] = [
+    ("idle_in_transaction_session_timeout", "60s"),
+    ("statement_timeout", "30s"),
+];
+
+async fn healthy_postgres(schema: &TestSchema) -> PostgresStore {
+    let mut settings = vec![("search_path", schema.name.as_str())];
+    settings.extend(HEALTHY_SESSION);
+    let options = schema_options(&database_url(), &schema.name).options(settings);
+    let pool = sqlx::PgPool::connect_with(options).await.unwrap();
+    PostgresStore::new(pool)
+}
+
+#[tokio::test]
+async fn a_healthy_setup_reports_every_check_and_nothing_to_fix() {
+    let redis = healthy_redis().await;
+    let schema = TestSchema::new().await;
+    let store = TieredStore::new(
+        RedisStore::open(&redis.url()).unwrap(),
+        healthy_postgres(&schema).await,
+    );
+    let diagnosis = store.diagnose().await;
+    println!("{diagnosis}");
+    assert_eq!(diagnosis.worst(), Severity::Ok, "{diagnosis}");
+    let checks = [
+        "version",
+        "maxmemory-policy",
+        "persistence",
+        "migrations",
+        "idle_in_transaction",
+        "statement_timeout",
+        "sweeper",
+        "size",
+    ];
+    for check in checks {
+        severity(&diagnosis, check);
+    }
+    assert_eq!(diagnosis.of("version").count(), 2, "Redis and Postgres");
+    schema.drop().await;
+}
+
+#[tokio::test]
+async fn an_evicting_redis_without_persistence_puts_the_guarantee_at_risk() {
+    for policy in ["allkeys-lru", "volatile-ttl"] {
+        // The test servers start with `--save "" --appendonly no`: no persistence at all.
+        let redis = RedisServer::start_with(&["--maxmemory-policy", policy]).await;
+        let store = RedisStore::open(&redis.url()).unwrap();
+        let diagnosis = store.diagnose().await;
+        assert_eq!(
+            severity(&diagnosis, "maxmemory-policy"),
+            Severity::Risk,
+            "{policy}"
+        );
+        assert_eq!(severity(&diagnosis, "persistence"), Severity::Risk);
+        assert_eq!(severity(&diagnosis, "version"), Severity::Ok);
+        assert!(diagnosis.at_risk());
+
+        // In front of an authority the same settings cost load, not the guarantee.
+        let tiered = TieredStore::new(store, MemoryStore::new());
+        let diagnosis = tiered.diagnose().await;
+        assert_eq!(severity(&diagnosis, "maxmemory-policy"), Severity::Warning);
+        assert_eq!(severity(&diagnosis, "persistence"), Severity::Warning);
+        assert!(!diagnosis.at_risk(), "{diagnosis}");
+    }
+}
+
+#[tokio::test]
+async fn snapshots_alone_are_a_warning_and_an_unreachable_redis_a_risk() {
+    let redis = RedisServer::start_with(&["--save", "3600 1"]).await;
+    let diagnosis = RedisStore::open(&redis.url()).unwrap().diagnose().await;
+    assert_eq!(
+        severity(&diagnosis, "persistence"),
+        Severity::Warning,
+        "{diagnosis}"
+    );
+
+    let nobody = format!("redis://127.0.0.1:{}", free_port());
+    let diagnosis = RedisStore::open(&nobody).unwrap().diagnose().await;
+    assert_eq!(
+        severity(&diagnosis, "reachable"),
+        Severity::Risk,
+        "{diagnosis}"
+    );
+}
+
+#[tokio::test]
+async fn postgres_flags_missing_migrations_missing_timeouts_and_a_sweeper_that_never_runs() {
+    // A schema the migrations never ran in, and a pool without session timeouts.
+    let empty = format!("doctor_empty_{}", uuid::Uuid::new_v4().simple());
+    let admin = sqlx::PgPool::connect(&database_url()).await.unwrap();
+    let create = format!(r#"CREATE SCHEMA "{empty}""#);
+    sqlx::query(sqlx::AssertSqlSafe(create))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let pool = sqlx::PgPool::connect_with(schema_options(&database_url(), &empty))
+        .await
+        .unwrap();
+    let diagnosis = PostgresStore::new(pool).diagnose().await;
+    println!("{diagnosis}");
+    assert_eq!(severity(&diagnosis, "migrations"), Severity::Risk);
+    assert_eq!(severity(&diagnosis, "idle_in_transaction"), Severity::Risk);
+    assert_eq!(severity(&diagnosis, "statement_timeout"), Severity::Warning);
+    let drop = format!(r#"DROP SCHEMA "{empty}" CASCADE"#);
+    sqlx::query(sqlx::AssertSqlSafe(drop))
+        .execute(&admin)
+        .await
+        .unwrap();
+
+    // Migrated, but one migration short; and a row expired two hours ago.
+    let schema = TestSchema::new().await;
+    let store = healthy_postgres(&schema).await;
+    sqlx::query(
+        "DELETE FROM _tower_idempotency_migrations \
+         WHERE version = (SELECT max(version) FROM _tower_idempotency_migrations)",
+    )
+    .execute(&schema.pool)
+    .await
+    .unwrap();
+    let claim = support::claim_request("k-expired", std::time::Duration::from_secs(30));
+    support::acquire(&store, &claim).await;
+    sqlx::query("UPDATE idempotency_keys SET expires_at = now() - interval '2 hours'")
+        .execute(&schema.pool)
+        .await
+        .unwrap();
+    let diagnosis = store.diagnose().await;
+    println!("{diagnosis}");
+    assert_eq!(severity(&diagnosis, "migrations"), Severity::Risk);
+    let migrations = diagnosis.of("migrations").next().unwrap();
+    assert!(migrations.message.contains("2 of 3"), "{migrations}");
+    assert_eq!(severity(&diagnosis, "sweeper"), Severity::Warning);
+    assert_eq!(severity(&diagnosis, "idle_in_transaction"), Severity::Ok);
+    store.sweep().await.unwrap();
+    assert_eq!(severity(&store.diagnose().await, "sweeper"), Severity::Ok);
+    schema.drop().await;
+}
+
+/// The admin example's `doctor`: its output and exit code, as a deployment script sees them.
+fn doctor(env: &[(&str, String)]) -> (bool, String) {
+    let output = Command::new(support::example("admin"))
+        .arg("doctor")
+        .env_remove("REDIS_CLUSTER_NODES")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    (output.status.success(), stdout)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_doctor_command_exits_non_zero_only_when_a_guarantee_is_at_risk() {
+    let schema = TestSchema::new().await;
+    let redis = healthy_redis().await;
+    let mut healthy = url_in_schema(&database_url(), &schema.name);
+    for (setting, value) in HEALTHY_SESSION {
+        healthy.push_str(&format!("&options[{setting}]={value}"));
+    }
+    let env = [("DATABASE_URL", healthy), ("REDIS_URL", redis.url())];
+    let (passed, report) = doctor(&env);
+    println!("healthy:\n{report}");
+    assert!(passed, "{report}");
+    assert!(
+        report
+            .lines()
+            .all(|line| line.starts_with("ok ") || line == "worst: ok"),
+        "{report}"
+    );
+
+    // The same Postgres without its session timeouts, in a schema never migrated.
+    let bare = url_in_schema(&database_url(), "doctor_never_migrated");
+    let (passed, report) = doctor(&[("DATABASE_URL", bare), ("REDIS_URL", redis.url())]);
+    println!("broken:\n{report}");
+    assert!(!passed, "{report}");
+    assert!(
+        report
+            .lines()
+            .any(|line| line.starts_with("risk ") && line.contains("migrations"))
+    );
+    assert!(report.contains("worst: risk"));
+    schema.drop().await;
+}
