@@ -48,7 +48,7 @@ use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
 };
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use serde::{Deserialize, Serialize};
 use sqlx::{
     FromRow, PgPool, Row,
@@ -361,8 +361,13 @@ async fn main() {
                 .unwrap_or_else(|_| "info,tower_idempotency=debug".into()),
         )
         .init();
-    let prometheus = PrometheusBuilder::new()
-        .install_recorder()
+    // Latencies as histograms with the crate's buckets, so a fleet's quantiles add up.
+    let prometheus = tower_idempotency::telemetry::HISTOGRAMS
+        .into_iter()
+        .try_fold(PrometheusBuilder::new(), |builder, (name, buckets)| {
+            builder.set_buckets_for_metric(Matcher::Full(name.into()), buckets)
+        })
+        .and_then(PrometheusBuilder::install_recorder)
         .unwrap_or_else(|e| fail("installing the metrics recorder", e));
 
     let postgres = match env::var("DATABASE_URL") {

@@ -294,6 +294,7 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = Idempotency<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        crate::telemetry::register_layer_metrics(self.settings.store.kind());
         let telemetry = Telemetry::new(Arc::clone(&self.counters), self.settings.store.kind());
         let engine = Engine::new(self.settings.clone(), telemetry, Arc::clone(&self.state));
         Idempotency::new(inner, Arc::new(engine))

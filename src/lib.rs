@@ -130,8 +130,12 @@
 //! Each guarded request runs in an `idempotency` span (key, scope, fence, outcome; keys and
 //! scopes as pseudonyms unless [`IdempotencyLayer::with_clear_keys_in_logs`]), every answer the layer
 //! gives instead of the handler is an event, its response carries an [`IdempotencyOutcome`],
-//! and [`telemetry`] lists the metrics. [`Store::inspect`](store::Store::inspect),
-//! [`forget`](store::Store::forget) and [`stuck`](store::Store::stuck) look at and delete keys.
+//! and [`telemetry`] lists the metrics (latencies as histograms with the crate's buckets,
+//! [`telemetry::HISTOGRAMS`]). [`Store::inspect`](store::Store::inspect),
+//! [`forget`](store::Store::forget) and [`stuck`](store::Store::stuck) look at and delete keys;
+//! [`Store::diagnose`](store::Store::diagnose) checks the servers a store runs on for the
+//! settings that break its guarantees. The repository's `contrib/` has a Grafana dashboard and
+//! Prometheus alert rules.
 //!
 //! [tower]: https://github.com/tower-rs/tower
 

@@ -199,6 +199,12 @@ async fn payments_example_serves_its_metrics_to_prometheus() {
         assert_eq!(value(&series), 1.0, "{outcome}");
     }
     assert_eq!(value("idempotency_handler_seconds_count"), 1.0);
+    // Histograms with buckets (which add up across instances), not summaries.
+    assert!(!text.contains("quantile="), "a summary in\n{text}");
+    assert!(text.contains(r#"idempotency_handler_seconds_bucket{store="memory",le="0.005"}"#));
+    assert!(text.contains(
+        r#"idempotency_store_call_seconds_bucket{operation="claim",store="memory",le="0.0001"}"#
+    ));
     assert!(
         value(r#"idempotency_store_call_seconds_count{operation="claim",store="memory"}"#) >= 3.0
     );
@@ -298,5 +304,58 @@ async fn admin_command_finds_a_stuck_key_and_forgets_it_so_the_next_request_runs
         "{completed}"
     );
     drop(survivor);
+    schema.drop().await;
+}
+
+/// Every metric the shipped dashboard and alert rules name (`contrib/`) is one the crate emits:
+/// the payments example on Redis in front of Postgres is scraped, and each name must be there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_and_the_alert_rules_name_only_metrics_the_crate_emits() {
+    let schema = TestSchema::new().await;
+    let redis = RedisServer::start().await;
+    let env = [
+        ("DATABASE_URL", url_in_schema(&database_url(), &schema.name)),
+        ("REDIS_URL", redis.url()),
+    ];
+    let app = Proc::example("payments", &env).await;
+    let url = app.url("/payments");
+    let key = format!("order-{}", uuid::Uuid::new_v4());
+    post_json(&url, &key, PAYMENT).await.unwrap();
+    assert!(post_json(&url, &key, PAYMENT).await.unwrap().replayed());
+    let scraped = send(Method::GET, &app.url("/metrics"), &[], "")
+        .await
+        .unwrap();
+    let text = String::from_utf8(scraped.body.to_vec()).unwrap();
+    let emitted: std::collections::HashSet<&str> = text
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| line.split(['{', ' ']).next())
+        .collect();
+
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut named = std::collections::BTreeSet::new();
+    for file in [
+        "contrib/grafana/tower-idempotency.json",
+        "contrib/prometheus/alerts.yml",
+    ] {
+        let contents = std::fs::read_to_string(format!("{root}/{file}")).unwrap();
+        let mut rest = contents.as_str();
+        while let Some(at) = rest.find("idempotency_") {
+            let name: String = rest[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            rest = &rest[at + name.len()..];
+            named.insert(name);
+        }
+    }
+    assert!(named.len() >= 10, "{named:?}");
+    for name in &named {
+        assert!(
+            emitted.contains(name.as_str()),
+            "{name} is not emitted:\n{text}"
+        );
+    }
+    println!("{} metric names in contrib/, all emitted", named.len());
     schema.drop().await;
 }

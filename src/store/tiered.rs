@@ -63,6 +63,7 @@ impl<F: Store, A: Store> TieredStore<F, A> {
     /// # Ok(()) }
     /// ```
     pub fn new(front: F, authority: A) -> Self {
+        crate::telemetry::register_tiered_metrics();
         Self {
             front,
             authority,

@@ -41,6 +41,15 @@ impl Proc {
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
             .stderr(out);
+        // The stores are the test's choice alone, whatever the shell that runs the tests has.
+        for store in [
+            "DATABASE_URL",
+            "REDIS_URL",
+            "REDIS_CLUSTER_NODES",
+            "REDIS_PREFIX",
+        ] {
+            command.env_remove(store);
+        }
         for (key, value) in env {
             command.env(key, value);
         }

@@ -169,6 +169,7 @@ impl PostgresStore {
     /// # Ok(()) }
     /// ```
     pub fn new(pool: PgPool) -> Self {
+        crate::telemetry::register_postgres_metrics();
         let connections = Connections::new(
             &pool.connect_options(),
             DEFAULT_POSTGRES_CONNECTIONS,
