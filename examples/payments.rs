@@ -15,12 +15,18 @@
 //! | `DATABASE_URL` | payments and idempotency keys in Postgres (migrations run at start-up) |
 //! | `REDIS_URL` | Redis as the first line (in front of Postgres when both are set) |
 //! | `REDIS_CLUSTER_NODES` | the same on a Redis Cluster: seed nodes `host:port,host:port,…` (instead of `REDIS_URL`) |
-//! | `PROVIDER_URL` | charge through an HTTP payment provider (`POST {url}/charges`) instead of the built-in mock |
+//! | `PROVIDER_URL` | charge through an HTTP payment provider (`POST {url}/charges`) instead of the built-in mock, through the crate's client layer |
+//! | `PROVIDER_TIMEOUT_MS` | how long one call to that provider may take before it is retried (10000) |
 //! | `PORT` | listening port on 127.0.0.1 (3000) |
 //! | `IDEMPOTENCY_LEASE_MS` | the claim lease (30000) |
 //! | `IDEMPOTENCY_WAIT_MS` | how long a duplicate waits for the first request (10000) |
 //! | `PAYMENTS_WORK_MS` | simulated work (fraud scoring) before the payment is written; on Postgres, inside its fenced transaction (0) |
 //! | `PAYMENTS_PAUSE_AFTER_COMMIT_MS` | a pause after the payment's transaction commits, before the answer (0) |
+//!
+//! Each charge carries an idempotency key derived from the payment's (`IdempotencyClaim::derived_key`),
+//! the same on every attempt and every retry of the payment, so the provider deduplicates it; the
+//! HTTP provider is called through `IdempotencyClientLayer`, which retries a provider that fails,
+//! times out or answers 409 with that key.
 //!
 //! With neither URL set, everything lives in memory: fine to try, no protection across processes.
 //! `GET /metrics` serves the crate's metrics in Prometheus' text format; the admin example
@@ -54,8 +60,10 @@ use sqlx::{
     FromRow, PgPool, Row,
     postgres::{PgPoolOptions, PgRow},
 };
+use tower::{ServiceBuilder, ServiceExt};
 use tower_idempotency::{
     IdempotencyClaim, IdempotencyLayer, MemoryStore,
+    client::{ClientBody, IdempotencyClient, IdempotencyClientLayer},
     store::{FenceError, PostgresStore, RedisStore, Store, TieredStore},
 };
 
@@ -98,36 +106,49 @@ enum Ledger {
     Postgres(PgPool),
 }
 
-/// The payment provider. The idempotency key goes with every charge, so a real provider
-/// deduplicates on its side too; the mock counts charges per key, a number that must stay at one.
+/// The payment provider. A key derived from the payment's goes with every charge, so a real
+/// provider deduplicates on its side too; the mock counts charges per key, a number that must
+/// stay at one.
 enum Provider {
     Mock(Mutex<HashMap<String, u32>>),
     Http {
         url: String,
-        client: Box<Client<HttpConnector, Full<Bytes>>>,
+        client: Box<ProviderClient>,
     },
 }
 
+/// An HTTP client that retries the provider safely: the same key on every attempt.
+type ProviderClient = IdempotencyClient<Client<HttpConnector, ClientBody<Full<Bytes>>>>;
+
 impl Provider {
-    async fn charge(&self, key: &str, amount_cents: i64) -> Result<String, String> {
+    /// Charges for the payment `claim` guards: once, whatever the retries.
+    async fn charge(&self, claim: &IdempotencyClaim, amount_cents: i64) -> Result<String, String> {
+        let key = claim.derived_key("charge");
         match self {
             Provider::Mock(charges) => {
                 let mut charges = charges.lock().unwrap();
-                let count = charges.entry(key.to_owned()).or_default();
+                let count = charges.entry(key.to_string()).or_default();
                 *count += 1;
                 if *count > 1 {
-                    tracing::error!(key, count = *count, "DUPLICATE CHARGE");
+                    tracing::error!(%key, count = *count, "DUPLICATE CHARGE");
                 }
                 Ok(format!("ch_{}", uuid::Uuid::new_v4().simple()))
             }
             Provider::Http { url, client } => {
-                let body = serde_json::json!({ "amount_cents": amount_cents }).to_string();
+                let body = serde_json::json!({
+                    "amount_cents": amount_cents,
+                    "reference": claim.key().as_str(),
+                });
                 let request = Request::post(format!("{url}/charges"))
-                    .header("idempotency-key", key)
+                    .header("idempotency-key", key.as_str())
                     .header(header::CONTENT_TYPE, "application/json")
-                    .body(Full::new(Bytes::from(body)))
+                    .body(Full::new(Bytes::from(body.to_string())))
                     .map_err(|e| e.to_string())?;
-                let response = client.request(request).await.map_err(|e| e.to_string())?;
+                let response = client
+                    .clone()
+                    .oneshot(request)
+                    .await
+                    .map_err(|e| e.to_string())?;
                 if !response.status().is_success() {
                     return Err(format!("provider answered {}", response.status()));
                 }
@@ -191,7 +212,7 @@ async fn create_payment(
         Ledger::Memory(payments) => {
             // Fraud scoring, address checks…
             tokio::time::sleep(state.work).await;
-            payment.charge_id = match state.provider.charge(key, payment.amount_cents).await {
+            payment.charge_id = match state.provider.charge(&claim, payment.amount_cents).await {
                 Ok(charge) => charge,
                 Err(error) => return problem(StatusCode::BAD_GATEWAY, "provider failed", error),
             };
@@ -257,7 +278,7 @@ async fn record_payment(
     tokio::time::sleep(state.work).await;
     payment.charge_id = state
         .provider
-        .charge(claim.key().as_str(), payment.amount_cents)
+        .charge(claim, payment.amount_cents)
         .await
         .map_err(|error| problem(StatusCode::BAD_GATEWAY, "provider failed", error))?;
     sqlx::query(
@@ -433,7 +454,14 @@ async fn main() {
     let provider = match env::var("PROVIDER_URL") {
         Ok(url) => Provider::Http {
             url,
-            client: Box::new(Client::builder(TokioExecutor::new()).build_http()),
+            client: Box::new(
+                ServiceBuilder::new()
+                    .layer(
+                        IdempotencyClientLayer::new()
+                            .with_attempt_timeout(env_millis("PROVIDER_TIMEOUT_MS", 10_000)),
+                    )
+                    .service(Client::builder(TokioExecutor::new()).build_http()),
+            ),
         },
         Err(_) => Provider::Mock(Mutex::default()),
     };

@@ -5,7 +5,7 @@ use std::{
     task::{Context, Poll, ready},
 };
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
@@ -195,7 +195,7 @@ impl<B> std::fmt::Debug for ResponseBody<B> {
 
 /// Polls a body, turning its data into `Bytes` (free when it already is) and its error into a
 /// boxed one.
-fn poll_to_bytes<B>(
+pub(crate) fn poll_to_bytes<B>(
     body: Pin<&mut B>,
     cx: &mut Context<'_>,
 ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
@@ -207,4 +207,16 @@ where
         Ok(frame) => Ok(frame.map_data(|mut data| data.copy_to_bytes(data.remaining()))),
         Err(error) => Err(error.into()),
     }))
+}
+
+/// Joins body chunks, without a copy when there is one.
+pub(crate) fn concat(chunks: Vec<Bytes>) -> Bytes {
+    match <[Bytes; 1]>::try_from(chunks) {
+        Ok([single]) => single,
+        Err(chunks) => {
+            let mut all = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+            chunks.iter().for_each(|c| all.extend_from_slice(c));
+            all.freeze()
+        }
+    }
 }

@@ -76,6 +76,35 @@ impl IdempotencyClaim {
         self.lease.fence()
     }
 
+    /// A key for a call this handler makes to another system, labelled `label` (say
+    /// `"charge"`): the same for every attempt of this request, on any instance, and different
+    /// for every label, key and scope. Send it to the provider, so that a retried request that
+    /// reaches it again is deduplicated there, and two different calls of one request never
+    /// share a key. Computed, not stored: SHA-256 over the scope, the key and the label, each
+    /// length-prefixed, as 64 hex digits.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyClaim, IdempotencyKey, store::{Lease, RecordKey}};
+    ///
+    /// let record = RecordKey::new("tenant-1", IdempotencyKey::try_from("order-42").unwrap());
+    /// let claim = IdempotencyClaim::new(Lease::new(record, uuid::Uuid::new_v4(), 1), Duration::from_secs(60));
+    /// let charge = claim.derived_key("charge");
+    /// assert_eq!(charge, claim.derived_key("charge"));
+    /// assert_ne!(charge, claim.derived_key("refund"));
+    /// ```
+    pub fn derived_key(&self, label: &str) -> IdempotencyKey {
+        use sha2::{Digest, Sha256};
+        let mut hash = Sha256::new();
+        hash.update(b"tower-idempotency derived key 1\0");
+        for part in [self.scope(), self.key().as_str(), label] {
+            hash.update((part.len() as u64).to_be_bytes());
+            hash.update(part.as_bytes());
+        }
+        let hex: String = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        IdempotencyKey::try_from(hex.as_str()).expect("64 hex digits are a valid key")
+    }
+
     /// This attempt's owner token.
     pub fn owner(&self) -> Uuid {
         self.lease.owner()

@@ -89,6 +89,14 @@
 //! store per-caller state or cancel the handler it promised to finish; the README's "Composing
 //! with other layers" has the tested order and what the layer does when one sits inside.
 //!
+//! # The caller's half
+//!
+//! With the `client` feature, [`client::IdempotencyClientLayer`] wraps a tower client (hyper,
+//! tonic): one key per logical call on every attempt, retries of what is safe to retry only,
+//! `Retry-After`, backoff with full jitter, a deadline and a retry budget. Inside a guarded
+//! handler, [`IdempotencyClaim::derived_key`] gives each downstream call a key of its own that
+//! every retry of the request repeats.
+//!
 //! # tonic and hyper
 //!
 //! The same layer guards gRPC: `tonic::transport::Server::builder().layer(IdempotencyLayer::new(store))`.
@@ -124,6 +132,7 @@
 //! | `postgres` | [`store::PostgresStore`], its migrations and sweeper, [`IdempotencyClaim::commit`], and the [`sqlx`] crate it is built on |
 //! | `conformance` | [`conformance`], the store conformance suite |
 //! | `metrics` | the metrics of [`telemetry`], through the `metrics` facade |
+//! | `client` | [`client`]: the caller's half, one key per logical call and safe retries |
 //!
 //! # Operating it
 //!
@@ -153,6 +162,8 @@
 // drives stores from outside, as a user's tests do.
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
+#[cfg(feature = "client")]
+pub mod client;
 mod layer;
 mod service;
 mod future;

@@ -25,6 +25,8 @@
 //! | `idempotency_front_breaker_transitions_total` | counter | `to` (`open`, `closed`) | the tiered store's breaker opening and closing |
 //! | `idempotency_front_breaker_open` | gauge | | 1 while the breaker skips the front |
 //! | `idempotency_swept_rows_total` | counter | | expired Postgres rows the sweeper deleted |
+//! | `idempotency_client_retries_total` | counter | | attempts the client layer made again, with the same key |
+//! | `idempotency_client_retries_denied_total` | counter | | retries the client's budget refused |
 //!
 //! Counters and gauges without labels are registered at zero when a layer (or a tiered or
 //! Postgres store) is built, so that dashboards and alerts see them before the first event.
@@ -241,6 +243,18 @@ pub(crate) fn register_postgres_metrics() {
         metrics::describe_counter!(name, "expired Postgres rows the sweeper deleted");
         metrics::counter!(name).increment(0);
     }
+}
+
+/// A client retried a logical call (`idempotency_client_retries_total`).
+#[cfg(feature = "client")]
+pub(crate) fn client_retry() {
+    count("idempotency_client_retries_total");
+}
+
+/// A client's retry refused by its budget (`idempotency_client_retries_denied_total`).
+#[cfg(feature = "client")]
+pub(crate) fn client_retry_denied() {
+    count("idempotency_client_retries_denied_total");
 }
 
 /// Where a layer's services record what they do: each event counted in the layer's

@@ -5,7 +5,10 @@ mod support;
 use std::time::Duration;
 
 use http::{Method, StatusCode};
-use support::{Proc, RedisServer, TestSchema, database_url, post_json, send, url_in_schema};
+use support::{
+    MockProvider, Proc, ProviderFault, RedisServer, TestSchema, database_url, post_json, send,
+    url_in_schema,
+};
 
 const PAYMENT: &str = r#"{"amount_cents": 4900, "currency": "usd", "customer": "cus_1"}"#;
 
@@ -358,4 +361,44 @@ async fn the_dashboard_and_the_alert_rules_name_only_metrics_the_crate_emits() {
     }
     println!("{} metric names in contrib/, all emitted", named.len());
     schema.drop().await;
+}
+
+/// The payments example calls its provider through the client layer with a key derived from the
+/// payment's: a provider that fails, answers past the timeout (having charged) or says 409 is
+/// retried with the same key, and every payment is charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payments_example_charges_a_faulty_provider_once_per_payment() {
+    let plan = vec![
+        ProviderFault::Unavailable,
+        ProviderFault::Slow(Duration::from_millis(700)),
+        ProviderFault::InFlight,
+        ProviderFault::None,
+    ];
+    let provider = MockProvider::with_faults(Duration::ZERO, plan).await;
+    let env = [
+        ("PROVIDER_URL", provider.url.clone()),
+        ("PROVIDER_TIMEOUT_MS", "250".into()),
+    ];
+    let app = Proc::example("payments", &env).await;
+    let url = app.url("/payments");
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let keys: Vec<String> = (0..4).map(|n| format!("pay-{run}-{n}")).collect();
+    let mut charge_ids = Vec::new();
+    for key in &keys {
+        let paid = post_json(&url, key, PAYMENT).await.unwrap();
+        assert_eq!(paid.status, StatusCode::CREATED, "{key}: {:?}", paid.body);
+        charge_ids.push(paid.json()["charge_id"].as_str().unwrap().to_owned());
+        let again = post_json(&url, key, PAYMENT).await.unwrap();
+        assert!(again.replayed());
+    }
+    let (calls, charges) = (provider.calls(), provider.charges());
+    for (n, key) in keys.iter().enumerate() {
+        assert_eq!(charges.get(key), Some(&1), "{key}: charges {charges:?}");
+        // The faulted first call and its retry; the last payment met no fault.
+        let expected = if n == 3 { 1 } else { 2 };
+        assert_eq!(calls.get(key), Some(&expected), "{key}: calls {calls:?}");
+    }
+    let distinct: std::collections::HashSet<_> = charge_ids.iter().collect();
+    assert_eq!(distinct.len(), keys.len(), "one charge per payment");
+    println!("provider calls {calls:?}, charges {charges:?}");
 }

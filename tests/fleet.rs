@@ -203,7 +203,9 @@ async fn exactly_once(
     for (key, id) in &rows {
         rows_per_key.entry(key).or_default().push(id);
     }
-    let charges = provider.charges();
+    // Every call that reached the provider counts: two executions of one payment would show,
+    // even though the provider deduplicates them on the key.
+    let charges = provider.calls();
     // Final: completed, or committed with the response the fence stored.
     let left_in_flight: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM idempotency_keys WHERE state <> 'completed' AND response IS NULL",
@@ -488,7 +490,7 @@ async fn postgres_down_means_503_then_service_resumes_with_nothing_lost() {
     }
     assert!(
         provider
-            .charges()
+            .calls()
             .keys()
             .all(|key| key.starts_with("before-")),
         "a handler ran while Postgres was down"

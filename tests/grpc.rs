@@ -74,13 +74,20 @@ impl Payments for Probe {
 
 /// Serves `probe` behind `layer` on a free port; returns a connected client.
 async fn serve(layer: IdempotencyLayer, probe: &Probe) -> PaymentsClient<Channel> {
+    PaymentsClient::connect(serve_at(layer, probe).await)
+        .await
+        .unwrap()
+}
+
+/// Serves `probe` behind `layer` on a free port; returns its URL.
+async fn serve_at(layer: IdempotencyLayer, probe: &Probe) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let server = tonic::transport::Server::builder()
         .layer(layer)
         .add_service(PaymentsServer::new(probe.clone()));
     tokio::spawn(server.serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)));
-    PaymentsClient::connect(url).await.unwrap()
+    url
 }
 
 fn create(key: &str, amount_cents: i64) -> Request<CreatePaymentRequest> {
@@ -308,4 +315,75 @@ async fn the_grpc_example_honours_its_lease_and_wait_settings() {
     let default = pushback_with(Vec::new()).await;
     assert!(short <= 400, "pushback {short} ms past a 400 ms lease");
     assert!(default > 400, "pushback {default} ms");
+}
+
+/// A tonic client behind the client layer: one key per logical call on every attempt, and the
+/// statuses that mean "try again" retried: UNAVAILABLE (the key was released, the call runs
+/// again) and ABORTED with pushback (the first call is in flight: the retry gets its answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tonic_client_through_the_client_layer_retries_what_grpc_says_to_retry() {
+    use tower::ServiceBuilder;
+    use tower_idempotency::client::{ClientOutcome, IdempotencyClientLayer};
+
+    let probe = Probe {
+        gate: Some(Arc::new(Semaphore::new(0))),
+        ..Probe::default()
+    };
+    let layer = IdempotencyLayer::new(MemoryStore::new()).with_wait(Duration::ZERO);
+    let url = serve_at(layer, &probe).await;
+    let channel = Channel::from_shared(url).unwrap().connect().await.unwrap();
+    let retrying = ServiceBuilder::new()
+        .layer(
+            IdempotencyClientLayer::new()
+                .with_max_attempts(20)
+                .with_backoff(Duration::from_millis(20), Duration::from_millis(100)),
+        )
+        .map_request(|request: http::Request<_>| request.map(tonic::body::Body::new))
+        .service(channel.clone());
+    let mut client = PaymentsClient::new(retrying);
+    let outcome =
+        |response: &Response<Payment>| *response.extensions().get::<ClientOutcome>().unwrap();
+    let gate = probe.gate.clone().unwrap();
+
+    // UNAVAILABLE: the layer released the key; the retry runs, and its payment is the answer.
+    probe.unavailable_next.store(true, SeqCst);
+    gate.add_permits(2);
+    let request = Request::new(CreatePaymentRequest {
+        amount_cents: 4900,
+        currency: "usd".into(),
+        customer: "cus_1".into(),
+    });
+    let paid = client.create_payment(request).await.unwrap();
+    assert_eq!(outcome(&paid).attempts, 2);
+    assert_eq!(
+        probe.runs.load(SeqCst),
+        2,
+        "UNAVAILABLE released the key: it ran again"
+    );
+    let minted = paid.get_ref().idempotency_key.clone();
+    assert_eq!(minted.len(), 36, "a key the client minted: {minted}");
+
+    // ABORTED with pushback: the first call holds the key; the retry gets its answer. The
+    // handlers gave their permits back: close the gate again.
+    gate.acquire_many(2).await.unwrap().forget();
+    let mut plain = PaymentsClient::new(channel);
+    let first = tokio::spawn(async move { plain.create_payment(create("g-retry", 4900)).await });
+    while probe.runs.load(SeqCst) < 3 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let opener = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        gate.add_permits(1);
+    });
+    let second = client
+        .create_payment(create("g-retry", 4900))
+        .await
+        .unwrap();
+    let first = first.await.unwrap().unwrap();
+    opener.await.unwrap();
+    assert!(replayed(&second));
+    assert_eq!(second.get_ref(), first.get_ref());
+    assert!(outcome(&second).attempts >= 2, "{:?}", outcome(&second));
+    assert!(outcome(&second).replayed);
+    assert_eq!(probe.runs.load(SeqCst), 3, "the in-flight call ran once");
 }

@@ -15,10 +15,10 @@ use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 use tower_service::Service;
 
-use super::{Caller, Engine, Outcome, Reply, read::concat};
+use super::{Caller, Engine, Outcome, Reply};
 use crate::{
     Completion, IdempotencyKey, IdempotencyOutcome, StoredResponse,
-    body::{LiveFrame, RequestBody, ResponseBody},
+    body::{LiveFrame, RequestBody, ResponseBody, concat},
     headers::varied_request_headers,
     policy::ResponseSummary,
     problem::Rejection,

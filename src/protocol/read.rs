@@ -2,13 +2,13 @@
 
 use std::{pin::pin, task::Poll, time::Duration};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, Bytes};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError};
 
 use crate::{
-    Fingerprint, fingerprint::FingerprintHasher, problem::Rejection, settings::Settings,
-    store::BoxError,
+    Fingerprint, body::concat, fingerprint::FingerprintHasher, problem::Rejection,
+    settings::Settings, store::BoxError,
 };
 
 /// Buffers a guarded request body, up to the size and time limits, and fingerprints the request
@@ -110,16 +110,4 @@ fn caused_by<E: std::error::Error + 'static>(error: &(dyn std::error::Error + 's
         next = error.source();
     }
     false
-}
-
-/// Joins body chunks, without a copy when there is one.
-pub(super) fn concat(chunks: Vec<Bytes>) -> Bytes {
-    match <[Bytes; 1]>::try_from(chunks) {
-        Ok([single]) => single,
-        Err(chunks) => {
-            let mut all = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
-            chunks.iter().for_each(|c| all.extend_from_slice(c));
-            all.freeze()
-        }
-    }
 }

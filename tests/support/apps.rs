@@ -103,53 +103,127 @@ impl Drop for Proc {
     }
 }
 
-/// A payment provider for the fleet: counts every charge per idempotency key, the number that
-/// must never exceed one. Serves `POST /charges` on a free port of this process.
+/// A payment provider for the tests, on a free port of this process (`POST /charges`), that
+/// behaves like a real one: it deduplicates on `Idempotency-Key` (a repeated key gets the
+/// first charge back, not a second one), and counts separately the calls it received and the
+/// charges it made, per payment (the `reference` of the charge's body, the payment's own key).
 pub struct MockProvider {
     pub url: String,
-    charges: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, u32>>>,
+    ledger: std::sync::Arc<std::sync::Mutex<ProviderLedger>>,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// What the first call with each idempotency key meets, in turn (the plan repeats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProviderFault {
+    /// It is answered.
+    None,
+    /// 503, without `Retry-After`: nothing was charged.
+    Unavailable,
+    /// The charge is made, but answered only after this long (past the caller's timeout).
+    Slow(Duration),
+    /// 409 with `Retry-After: 1`, as a provider says a request with this key is in progress.
+    InFlight,
+}
+
+#[derive(Default)]
+struct ProviderLedger {
+    /// Calls received per reference, faulted ones included.
+    calls: std::collections::HashMap<String, u32>,
+    /// Charges by idempotency key: the reference and the charge id.
+    charges: std::collections::HashMap<String, (String, String)>,
+    /// Idempotency keys seen, in the order of their first call.
+    seen: Vec<String>,
+    plan: Vec<ProviderFault>,
+    latency: Duration,
 }
 
 impl MockProvider {
     /// Starts the provider; each charge takes `latency`.
     pub async fn start(latency: Duration) -> Self {
-        use axum::{extract::State, http::HeaderMap, routing::post};
+        Self::with_faults(latency, vec![ProviderFault::None]).await
+    }
 
-        type Charges = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, u32>>>;
-        async fn charge(
-            State((charges, latency)): State<(Charges, Duration)>,
-            headers: HeaderMap,
-        ) -> (http::StatusCode, String) {
-            tokio::time::sleep(latency).await;
-            let key = headers
-                .get("idempotency-key")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or_default()
-                .to_owned();
-            let mut charges = charges.lock().unwrap();
-            let count = charges.entry(key.clone()).or_default();
-            *count += 1;
-            (
-                http::StatusCode::CREATED,
-                format!(r#"{{"id":"ch_{key}_{count}"}}"#),
-            )
-        }
-
-        let charges = Charges::default();
+    /// Starts the provider; the first call with each key meets the next fault of `plan`.
+    pub async fn with_faults(latency: Duration, plan: Vec<ProviderFault>) -> Self {
+        use axum::routing::post;
+        let ledger = std::sync::Arc::new(std::sync::Mutex::new(ProviderLedger {
+            plan,
+            latency,
+            ..ProviderLedger::default()
+        }));
         let app = axum::Router::new()
-            .route("/charges", post(charge))
-            .with_state((charges.clone(), latency));
+            .route("/charges", post(provider_charge))
+            .with_state(ledger.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let task = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        Self { url, charges, task }
+        Self { url, ledger, task }
     }
 
-    /// Charges per idempotency key.
-    pub fn charges(&self) -> std::collections::HashMap<String, u32> {
-        self.charges.lock().unwrap().clone()
+    /// Calls received per payment, whatever became of them: with a well-behaved client, the
+    /// handler's executions that reached the provider.
+    pub fn calls(&self) -> std::collections::HashMap<String, u32> {
+        self.ledger.lock().unwrap().calls.clone()
     }
+
+    /// Charges made per payment (distinct idempotency keys): never more than one.
+    pub fn charges(&self) -> std::collections::HashMap<String, u32> {
+        let mut charges = std::collections::HashMap::new();
+        for (reference, _) in self.ledger.lock().unwrap().charges.values() {
+            *charges.entry(reference.clone()).or_default() += 1;
+        }
+        charges
+    }
+}
+
+async fn provider_charge(
+    axum::extract::State(ledger): axum::extract::State<
+        std::sync::Arc<std::sync::Mutex<ProviderLedger>>,
+    >,
+    headers: http::HeaderMap,
+    body: Bytes,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let reference = body["reference"].as_str().unwrap_or(&key).to_owned();
+    let (fault, latency) = {
+        let mut ledger = ledger.lock().unwrap();
+        *ledger.calls.entry(reference.clone()).or_default() += 1;
+        let first = !ledger.seen.contains(&key);
+        let fault = if first {
+            ledger.seen.push(key.clone());
+            ledger.plan[(ledger.seen.len() - 1) % ledger.plan.len()]
+        } else {
+            ProviderFault::None
+        };
+        (fault, ledger.latency)
+    };
+    tokio::time::sleep(latency).await;
+    match fault {
+        ProviderFault::Unavailable => return http::StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        ProviderFault::InFlight => {
+            return (http::StatusCode::CONFLICT, [("retry-after", "1")]).into_response();
+        }
+        ProviderFault::None | ProviderFault::Slow(_) => {}
+    }
+    let id = {
+        let mut ledger = ledger.lock().unwrap();
+        let charge = ledger
+            .charges
+            .entry(key.clone())
+            .or_insert_with(|| (reference, format!("ch_{}", uuid::Uuid::new_v4().simple())));
+        charge.1.clone()
+    };
+    if let ProviderFault::Slow(after) = fault {
+        tokio::time::sleep(after).await;
+    }
+    (http::StatusCode::CREATED, format!(r#"{{"id":"{id}"}}"#)).into_response()
 }
 
 impl Drop for MockProvider {

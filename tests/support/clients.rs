@@ -93,3 +93,89 @@ pub async fn post_json(url: &str, key: &str, body: &str) -> Result<Answer, Strin
     )
     .await
 }
+
+/// What a [`FaultProxy`] does to one connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Relays both ways.
+    None,
+    /// Relays the request, then closes the caller's connection before any answer: the server
+    /// got the request and runs it, the caller learns nothing.
+    DropAfterRequest,
+    /// Relays the request, waits for the first bytes of the answer (the server has answered),
+    /// and closes the caller's connection without them.
+    DropAnswer,
+}
+
+/// A TCP proxy in front of servers (round-robin), that does to each new connection what the
+/// next entry of its plan says (the plan repeats).
+pub struct FaultProxy {
+    pub url: String,
+    connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FaultProxy {
+    pub async fn start(upstreams: Vec<std::net::SocketAddr>, plan: Vec<Fault>) -> Self {
+        use std::sync::{Arc, atomic::AtomicUsize, atomic::Ordering::SeqCst};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let connections = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&connections);
+        let task = tokio::spawn(async move {
+            loop {
+                let (client, _) = listener.accept().await.unwrap();
+                let n = counted.fetch_add(1, SeqCst);
+                let upstream = upstreams[n % upstreams.len()];
+                let fault = plan[n % plan.len()];
+                tokio::spawn(relay(client, upstream, fault));
+            }
+        });
+        Self {
+            url,
+            connections,
+            task,
+        }
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.connections.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+async fn relay(mut client: tokio::net::TcpStream, upstream: std::net::SocketAddr, fault: Fault) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await else {
+        return;
+    };
+    if fault == Fault::None {
+        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+        return;
+    }
+    // One request: read what the client sent until it pauses, pass it on.
+    let mut buffer = vec![0; 64 * 1024];
+    let Ok(n) = client.read(&mut buffer).await else {
+        return;
+    };
+    if n == 0 || server.write_all(&buffer[..n]).await.is_err() {
+        return;
+    }
+    if fault == Fault::DropAnswer {
+        // The server has answered once its first bytes arrive; they go nowhere.
+        let _ = server.read(&mut buffer).await;
+    } else {
+        // Let the request reach the handler; the server keeps its end open meanwhile.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::spawn(async move {
+            let _ = server.read_to_end(&mut Vec::new()).await;
+        });
+    }
+    drop(client);
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

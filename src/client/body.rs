@@ -1,0 +1,143 @@
+//! The request body the client sends on each attempt: the caller's body buffered (so that every
+//! attempt sends the same bytes), or, past the buffer limit, what was read and the rest of the
+//! caller's body, sent once.
+
+use std::{
+    collections::VecDeque,
+    pin::{Pin, pin},
+    task::{Context, Poll},
+};
+
+use bytes::{Buf, Bytes};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use pin_project_lite::pin_project;
+
+use crate::{
+    body::{concat, poll_to_bytes},
+    store::BoxError,
+};
+
+pin_project! {
+    /// The body an [`IdempotencyClient`](super::IdempotencyClient) hands its inner service: the
+    /// bytes of the caller's body, the same on every attempt, or (for a body over the buffer
+    /// limit, sent once) the part already read followed by the rest.
+    pub struct ClientBody<B> {
+        #[pin]
+        inner: Inner<B>,
+    }
+}
+
+pin_project! {
+    #[project = InnerProj]
+    enum Inner<B> {
+        Buffered { data: Option<Bytes> },
+        Prefixed { read: VecDeque<Bytes>, #[pin] rest: B },
+    }
+}
+
+impl<B> ClientBody<B> {
+    /// The caller's body as it is, sent once.
+    pub(crate) fn once(body: B) -> Self {
+        prefixed(VecDeque::new(), body)
+    }
+
+    pub(crate) fn buffered(data: Bytes) -> Self {
+        let data = (!data.is_empty()).then_some(data);
+        Self {
+            inner: Inner::Buffered { data },
+        }
+    }
+}
+
+/// A caller's body, read up to the buffer limit.
+pub(crate) enum Read<B> {
+    /// The whole body, within the limit: it can be sent any number of times.
+    Whole(Bytes),
+    /// Past the limit: it can be sent once.
+    TooLarge(ClientBody<B>),
+}
+
+/// Reads `body` whole if it fits in `limit` bytes (its trailers, rare on requests, are not kept).
+pub(crate) async fn read<B>(body: B, limit: usize) -> Result<Read<B>, BoxError>
+where
+    B: Body + Unpin,
+    B::Error: Into<BoxError>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Ok(Read::TooLarge(ClientBody::once(body)));
+    }
+    let mut body = body;
+    let (mut read, mut len) = (VecDeque::new(), 0);
+    while let Some(frame) = pin!(&mut body).frame().await {
+        let Ok(mut data) = frame.map_err(Into::into)?.into_data() else {
+            continue;
+        };
+        let data = data.copy_to_bytes(data.remaining());
+        len += data.len();
+        read.push_back(data);
+        if len > limit {
+            return Ok(Read::TooLarge(prefixed(read, body)));
+        }
+    }
+    Ok(Read::Whole(concat(Vec::from(read))))
+}
+
+fn prefixed<B>(read: VecDeque<Bytes>, rest: B) -> ClientBody<B> {
+    ClientBody {
+        inner: Inner::Prefixed { read, rest },
+    }
+}
+
+impl<B> Body for ClientBody<B>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.project().inner.project() {
+            InnerProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            InnerProj::Prefixed { read, rest } => match read.pop_front() {
+                Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
+                None => poll_to_bytes(rest, cx),
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.inner {
+            Inner::Buffered { data } => data.is_none(),
+            Inner::Prefixed { read, rest } => read.is_empty() && rest.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            Inner::Buffered { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            Inner::Prefixed { read, rest } => {
+                let read: u64 = read.iter().map(|d| d.len() as u64).sum();
+                let rest = rest.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower() + read);
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper + read);
+                }
+                hint
+            }
+        }
+    }
+}
+
+impl<B> std::fmt::Debug for ClientBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientBody").finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,295 @@
+//! The client service: one logical call, its attempts, and what it tells the caller.
+
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, request::Parts};
+use http_body::Body;
+use tokio::time::Instant;
+use tower::ServiceExt;
+use tower_service::Service;
+use tracing::Instrument;
+
+use super::{
+    ClientError, ClientOutcome,
+    body::{self, ClientBody, Read},
+    layer::ClientSettings,
+    verdict::{self, Verdict},
+};
+use crate::{headers::IDEMPOTENT_REPLAYED, store::BoxError};
+
+/// Middleware that sends one idempotency key per logical call on every attempt, and retries
+/// what is safe to retry. Built by [`IdempotencyClientLayer`](super::IdempotencyClientLayer).
+#[derive(Clone)]
+pub struct IdempotencyClient<S> {
+    inner: S,
+    settings: Arc<ClientSettings>,
+}
+
+/// The future of a call through [`IdempotencyClient`].
+pub type ClientFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
+
+impl<S> IdempotencyClient<S> {
+    pub(crate) fn new(inner: S, settings: Arc<ClientSettings>) -> Self {
+        Self { inner, settings }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// Consumes `self`, returning the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, B, ResBody> Service<Request<B>> for IdempotencyClient<S>
+where
+    S: Service<Request<ClientBody<B>>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    B: Body + Unpin + Send + 'static,
+    B::Error: Into<BoxError>,
+    ResBody: Send + 'static,
+{
+    type Response = Response<ResBody>;
+    type Error = BoxError;
+    type Future = ClientFuture<Response<ResBody>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        // The service driven to readiness is the one called (tower-service's "Be careful when
+        // cloning inner services"); a clone stays here.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let settings = Arc::clone(&self.settings);
+        Box::pin(call(settings, inner, request))
+    }
+}
+
+/// One logical call: a key, the body buffered, attempts until a final answer, the attempts,
+/// the deadline or the budget run out.
+async fn call<S, B, ResBody>(
+    settings: Arc<ClientSettings>,
+    mut inner: S,
+    request: Request<B>,
+) -> Result<Response<ResBody>, BoxError>
+where
+    S: Service<Request<ClientBody<B>>, Response = Response<ResBody>>,
+    S::Error: Into<BoxError>,
+    B: Body + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let (mut parts, body) = request.into_parts();
+    if !settings.methods.contains(&parts.method) {
+        let request = Request::from_parts(parts, ClientBody::once(body));
+        return inner.call(request).await.map_err(Into::into);
+    }
+    let key = ensure_key(&settings, &mut parts);
+    let shown = crate::telemetry::Pseudonym {
+        value: &key,
+        clear: false,
+    };
+    let span =
+        tracing::debug_span!("idempotency_client", key = %shown, attempts = tracing::field::Empty);
+    let call = async {
+        let body = match body::read(body, settings.max_body).await? {
+            Read::Whole(bytes) => bytes,
+            Read::TooLarge(body) => {
+                tracing::debug!("request body over the buffer limit: sent once, not retried");
+                let answer = inner.call(Request::from_parts(parts, body)).await;
+                return finish(answer.map_err(Into::into), 1);
+            }
+        };
+        Retrying::new(&settings, parts, body).run(&mut inner).await
+    };
+    call.instrument(span).await
+}
+
+/// The key of this logical call: the caller's, or a fresh random one.
+fn ensure_key(settings: &ClientSettings, parts: &mut Parts) -> String {
+    if let Some(key) = parts.headers.get(&settings.key_header)
+        && let Ok(key) = key.to_str()
+    {
+        return key.to_owned();
+    }
+    let key = uuid::Uuid::new_v4().to_string();
+    let value = HeaderValue::from_str(&key).expect("a UUID is a valid header value");
+    parts.headers.insert(settings.key_header.clone(), value);
+    key
+}
+
+/// The attempts of one logical call with a buffered body.
+struct Retrying<'a> {
+    settings: &'a ClientSettings,
+    /// The request head; its extensions go with the first attempt only.
+    parts: Option<Parts>,
+    head: (http::Method, http::Uri, http::Version, http::HeaderMap),
+    body: Bytes,
+    grpc: bool,
+    deadline: Instant,
+    random: u64,
+}
+
+impl<'a> Retrying<'a> {
+    fn new(settings: &'a ClientSettings, parts: Parts, body: Bytes) -> Self {
+        let head = (
+            parts.method.clone(),
+            parts.uri.clone(),
+            parts.version,
+            parts.headers.clone(),
+        );
+        Self {
+            settings,
+            grpc: verdict::is_grpc(&parts.headers),
+            parts: Some(parts),
+            head,
+            body,
+            deadline: Instant::now() + settings.deadline,
+            random: uuid::Uuid::new_v4().as_u64_pair().0 | 1,
+        }
+    }
+
+    async fn run<S, B, ResBody>(mut self, inner: &mut S) -> Result<Response<ResBody>, BoxError>
+    where
+        S: Service<Request<ClientBody<B>>, Response = Response<ResBody>>,
+        S::Error: Into<BoxError>,
+    {
+        self.settings.budget.deposit();
+        let mut attempt = 1;
+        loop {
+            let answer = self.attempt(inner).await;
+            let Some(pause) = self.pause_after(&answer, attempt) else {
+                tracing::Span::current().record("attempts", attempt);
+                return finish(answer, attempt);
+            };
+            if !self.settings.budget.withdraw() {
+                tracing::debug!(
+                    attempt,
+                    "retry budget exhausted: the answer goes to the caller"
+                );
+                crate::telemetry::client_retry_denied();
+                tracing::Span::current().record("attempts", attempt);
+                return finish(answer, attempt);
+            }
+            crate::telemetry::client_retry();
+            tracing::debug!(attempt, ?pause, "retrying with the same key");
+            tokio::time::sleep(pause).await;
+            attempt += 1;
+        }
+    }
+
+    /// One attempt, cut at the attempt timeout and the deadline.
+    async fn attempt<S, B, ResBody>(&mut self, inner: &mut S) -> Result<Response<ResBody>, BoxError>
+    where
+        S: Service<Request<ClientBody<B>>, Response = Response<ResBody>>,
+        S::Error: Into<BoxError>,
+    {
+        let request = self.request();
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let limit = self.settings.attempt_timeout.min(left);
+        let sent = async {
+            let ready = inner.ready().await.map_err(Into::into)?;
+            ready.call(request).await.map_err(Into::into)
+        };
+        match tokio::time::timeout(limit, sent).await {
+            Ok(answer) => answer,
+            Err(_elapsed) if limit < self.settings.attempt_timeout => {
+                Err(ClientError::DeadlineExceeded {
+                    after: self.settings.deadline,
+                }
+                .into())
+            }
+            Err(_elapsed) => Err(ClientError::AttemptTimedOut { after: limit }.into()),
+        }
+    }
+
+    /// The next attempt's request: the same head and body every time.
+    fn request<B>(&mut self) -> Request<ClientBody<B>> {
+        let body = ClientBody::buffered(self.body.clone());
+        if let Some(parts) = self.parts.take() {
+            return Request::from_parts(parts, body);
+        }
+        let (method, uri, version, headers) = self.head.clone();
+        let mut request = Request::new(body);
+        *request.method_mut() = method;
+        *request.uri_mut() = uri;
+        *request.version_mut() = version;
+        *request.headers_mut() = headers;
+        request
+    }
+
+    /// How long to pause before another attempt, or `None` when `answer` goes to the caller.
+    fn pause_after<T>(
+        &mut self,
+        answer: &Result<Response<T>, BoxError>,
+        attempt: u32,
+    ) -> Option<Duration> {
+        let hint = match answer {
+            Ok(response) => {
+                match verdict::of_response(response.status(), response.headers(), self.grpc) {
+                    Verdict::Final => return None,
+                    Verdict::Retry { after } => after,
+                }
+            }
+            // The call's outcome is unknown (a lost connection, a timeout), never "failed":
+            // the same key makes another attempt safe.
+            Err(error) if is_deadline(error) => return None,
+            Err(_) => None,
+        };
+        if attempt >= self.settings.max_attempts {
+            return None;
+        }
+        self.random ^= self.random << 13;
+        self.random ^= self.random >> 7;
+        self.random ^= self.random << 17;
+        let (base, cap) = (self.settings.backoff_base, self.settings.backoff_cap);
+        let pause = hint.unwrap_or_else(|| verdict::backoff(attempt, base, cap, self.random));
+        // A pause that ends past the deadline would only end in the deadline's error.
+        (Instant::now() + pause < self.deadline).then_some(pause)
+    }
+}
+
+/// Whether an attempt failed because the logical call's deadline passed.
+fn is_deadline(error: &BoxError) -> bool {
+    matches!(
+        error.downcast_ref::<ClientError>(),
+        Some(ClientError::DeadlineExceeded { .. })
+    )
+}
+
+/// The answer for the caller, with what the call took.
+fn finish<T>(
+    answer: Result<Response<T>, BoxError>,
+    attempts: u32,
+) -> Result<Response<T>, BoxError> {
+    let mut response = answer?;
+    let replayed = response
+        .headers()
+        .get(IDEMPOTENT_REPLAYED)
+        .is_some_and(|v| v == "true");
+    response
+        .extensions_mut()
+        .insert(ClientOutcome { attempts, replayed });
+    Ok(response)
+}
+
+impl<S: fmt::Debug> fmt::Debug for IdempotencyClient<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyClient")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,405 @@
+//! The client layer against the crate's own server layer: two instances sharing a Postgres
+//! store, with faults between client and server (connections dropped after the request reached
+//! the server, attempts that time out before the handler ends, 503s and 502s). Counted where
+//! it happens: the handler's effects per key, and the requests that reached the servers.
+
+mod support;
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Router,
+    extract::{Request, State},
+    http::StatusCode,
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::post,
+};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::TokioExecutor,
+};
+use support::{Fault, FaultProxy, TestSchema};
+use tower::{ServiceBuilder, ServiceExt, retry::budget::TpsBudget};
+use tower_idempotency::{
+    IdempotencyClaim, IdempotencyLayer,
+    client::{ClientBody, ClientOutcome, IdempotencyClient, IdempotencyClientLayer},
+    store::PostgresStore,
+};
+
+/// What happened at the servers: the handler's effects per key, and every request that
+/// arrived (key, when), before the idempotency layer.
+#[derive(Clone, Default)]
+struct Seen {
+    effects: Arc<Mutex<HashMap<String, u32>>>,
+    arrivals: Arc<Mutex<Vec<(String, Instant)>>>,
+}
+
+impl Seen {
+    fn effects(&self, key: &str) -> u32 {
+        self.effects.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+
+    fn arrivals(&self, key: &str) -> Vec<Instant> {
+        let arrivals = self.arrivals.lock().unwrap();
+        arrivals
+            .iter()
+            .filter(|(k, _)| k == key)
+            .map(|(_, at)| *at)
+            .collect()
+    }
+
+    fn all_arrivals(&self) -> usize {
+        self.arrivals.lock().unwrap().len()
+    }
+}
+
+#[derive(Clone)]
+struct App {
+    seen: Seen,
+    work: Duration,
+}
+
+async fn pay(State(app): State<App>, claim: IdempotencyClaim, body: Bytes) -> Response {
+    tokio::time::sleep(app.work).await;
+    let key = claim.key().as_str().to_owned();
+    let run = {
+        let mut effects = app.seen.effects.lock().unwrap();
+        let run = effects.entry(key.clone()).or_default();
+        *run += 1;
+        *run
+    };
+    let body = format!(
+        r#"{{"key":"{key}","run":{run},"echo":{}}}"#,
+        String::from_utf8_lossy(&body)
+    );
+    (
+        StatusCode::CREATED,
+        [("content-type", "application/json")],
+        body,
+    )
+        .into_response()
+}
+
+/// Counts every request at the door, and answers a canned status where the test says so.
+async fn door(
+    State((seen, canned)): State<(Seen, Canned)>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let key = request
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let first = seen.arrivals(&key).is_empty();
+    seen.arrivals.lock().unwrap().push((key, Instant::now()));
+    match canned.answer(first) {
+        Some(response) => response,
+        None => next.run(request).await,
+    }
+}
+
+/// A status the door answers instead of the app.
+#[derive(Clone, Copy)]
+enum Canned {
+    Nothing,
+    /// 503 with `Retry-After: 1` to the first request of each key.
+    FirstUnavailable,
+    /// This status to every request.
+    Always(StatusCode),
+}
+
+impl Canned {
+    fn answer(self, first: bool) -> Option<Response> {
+        match self {
+            Canned::Nothing => None,
+            Canned::FirstUnavailable if first => {
+                Some((StatusCode::SERVICE_UNAVAILABLE, [("retry-after", "1")]).into_response())
+            }
+            Canned::FirstUnavailable => None,
+            Canned::Always(status) => Some(status.into_response()),
+        }
+    }
+}
+
+/// Two instances of the app, each its own router and layer, sharing one Postgres store.
+async fn fleet(schema: &TestSchema, work: Duration, canned: Canned) -> (Seen, Vec<SocketAddr>) {
+    let seen = Seen::default();
+    let mut addrs = Vec::new();
+    for _ in 0..2 {
+        let layer = IdempotencyLayer::new(PostgresStore::new(schema.pool.clone()))
+            .with_wait(Duration::from_millis(300));
+        let app = App {
+            seen: seen.clone(),
+            work,
+        };
+        let router = Router::new()
+            .route("/payments", post(pay).route_layer(layer))
+            .with_state(app)
+            .layer(middleware::from_fn_with_state((seen.clone(), canned), door));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        addrs.push(listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    }
+    (seen, addrs)
+}
+
+type Http = Client<HttpConnector, ClientBody<Full<Bytes>>>;
+
+/// A real HTTP client, one connection per attempt (so that each attempt meets the proxy's next
+/// fault), behind the client layer.
+fn client(layer: IdempotencyClientLayer) -> IdempotencyClient<Http> {
+    let http = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build_http();
+    ServiceBuilder::new().layer(layer).service(http)
+}
+
+/// The client's answer: status, body, what the call took.
+struct Called {
+    status: StatusCode,
+    body: serde_json::Value,
+    outcome: ClientOutcome,
+}
+
+async fn post_payment(
+    client: &IdempotencyClient<Http>,
+    url: &str,
+    key: Option<&str>,
+    body: &str,
+) -> Called {
+    let mut request =
+        http::Request::post(format!("{url}/payments")).header("content-type", "application/json");
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    let request = request
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .unwrap();
+    let response = client.clone().oneshot(request).await.unwrap();
+    let outcome = *response.extensions().get::<ClientOutcome>().unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let body = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    Called {
+        status,
+        body,
+        outcome,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_lost_after_the_server_got_the_request_are_retried_and_run_once() {
+    let schema = TestSchema::new().await;
+    let (seen, addrs) = fleet(&schema, Duration::from_millis(50), Canned::Nothing).await;
+    // Every other connection is cut: after the request, or after the server answered.
+    let plan = vec![
+        Fault::DropAfterRequest,
+        Fault::None,
+        Fault::DropAnswer,
+        Fault::None,
+    ];
+    let proxy = FaultProxy::start(addrs, plan).await;
+    let client = client(
+        IdempotencyClientLayer::new()
+            .with_backoff(Duration::from_millis(20), Duration::from_millis(100)),
+    );
+
+    let calls = 10;
+    for n in 0..calls {
+        let called = post_payment(&client, &proxy.url, None, &format!(r#"{{"n":{n}}}"#)).await;
+        assert_eq!(called.status, StatusCode::CREATED, "{}", called.body);
+        let key = called.body["key"].as_str().unwrap().to_owned();
+        assert_eq!(called.body["echo"]["n"], n, "the retry sent the same body");
+        assert_eq!(called.body["run"], 1);
+        assert_eq!(
+            seen.effects(&key),
+            1,
+            "{key} ran {} times",
+            seen.effects(&key)
+        );
+        assert_eq!(
+            called.outcome.attempts, 2,
+            "one lost attempt, then the answer"
+        );
+        assert!(
+            called.outcome.replayed,
+            "the second attempt got the first's answer"
+        );
+        assert_eq!(
+            seen.arrivals(&key).len(),
+            2,
+            "both attempts carried the same key"
+        );
+    }
+    println!(
+        "{calls} calls through a proxy that cut every other connection: {} connections, every call ran once",
+        proxy.connections()
+    );
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_that_time_out_before_the_handler_ends_get_its_answer() {
+    let schema = TestSchema::new().await;
+    let (seen, addrs) = fleet(&schema, Duration::from_millis(600), Canned::Nothing).await;
+    let client = client(
+        IdempotencyClientLayer::new()
+            .with_attempt_timeout(Duration::from_millis(200))
+            .with_max_attempts(10)
+            .with_backoff(Duration::from_millis(20), Duration::from_millis(100)),
+    );
+    let url = format!("http://{}", addrs[0]);
+    let called = post_payment(&client, &url, None, "{}").await;
+    assert_eq!(called.status, StatusCode::CREATED, "{}", called.body);
+    let key = called.body["key"].as_str().unwrap();
+    assert_eq!(seen.effects(key), 1);
+    assert!(called.outcome.attempts >= 2, "{:?}", called.outcome);
+    assert!(called.outcome.replayed);
+    println!(
+        "a 600 ms handler, 200 ms attempts: answered after {} attempts, run once",
+        called.outcome.attempts
+    );
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_503_with_retry_after_is_retried_no_sooner_than_it_says() {
+    let schema = TestSchema::new().await;
+    let (seen, addrs) = fleet(&schema, Duration::ZERO, Canned::FirstUnavailable).await;
+    let client = client(IdempotencyClientLayer::new());
+    let url = format!("http://{}", addrs[0]);
+    let called = post_payment(&client, &url, Some("k-503"), "{}").await;
+    assert_eq!(called.status, StatusCode::CREATED);
+    assert_eq!(called.outcome.attempts, 2);
+    let arrivals = seen.arrivals("k-503");
+    let waited = arrivals[1] - arrivals[0];
+    assert!(
+        waited >= Duration::from_secs(1),
+        "retried after {waited:?}, Retry-After said 1 s"
+    );
+    assert!(waited < Duration::from_millis(2500), "{waited:?}");
+    assert_eq!(seen.effects("k-503"), 1);
+    println!("Retry-After: 1 honoured: retried after {waited:?}");
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_mismatch_is_final_and_never_retried() {
+    let schema = TestSchema::new().await;
+    let (seen, addrs) = fleet(&schema, Duration::ZERO, Canned::Nothing).await;
+    let client = client(IdempotencyClientLayer::new());
+    let url = format!("http://{}", addrs[0]);
+    assert_eq!(
+        post_payment(&client, &url, Some("k-422"), r#"{"a":1}"#)
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    let mismatch = post_payment(&client, &url, Some("k-422"), r#"{"a":2}"#).await;
+    assert_eq!(mismatch.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(mismatch.outcome.attempts, 1);
+    assert_eq!(seen.arrivals("k-422").len(), 2, "one request per call");
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_answers_back_off_with_full_jitter_up_to_the_attempt_cap() {
+    let schema = TestSchema::new().await;
+    let (seen, addrs) = fleet(
+        &schema,
+        Duration::ZERO,
+        Canned::Always(StatusCode::BAD_GATEWAY),
+    )
+    .await;
+    let (base, cap) = (Duration::from_millis(40), Duration::from_millis(160));
+    let client = client(
+        IdempotencyClientLayer::new()
+            .with_max_attempts(5)
+            .with_backoff(base, cap),
+    );
+    let url = format!("http://{}", addrs[0]);
+    let mut pauses = Vec::new();
+    for n in 0..6 {
+        let key = format!("k-502-{n}");
+        let called = post_payment(&client, &url, Some(&key), "{}").await;
+        assert_eq!(
+            called.status,
+            StatusCode::BAD_GATEWAY,
+            "the last answer as it was"
+        );
+        assert_eq!(called.outcome.attempts, 5);
+        let arrivals = seen.arrivals(&key);
+        assert_eq!(arrivals.len(), 5, "attempts are capped");
+        for (retry, pair) in arrivals.windows(2).enumerate() {
+            let pause = pair[1] - pair[0];
+            let ceiling = (base * 2u32.pow(retry as u32)).min(cap);
+            // Full jitter: anywhere from zero to the ceiling (plus the round trip).
+            assert!(
+                pause <= ceiling + Duration::from_millis(60),
+                "retry {retry}: {pause:?} over {ceiling:?}"
+            );
+            pauses.push(pause);
+        }
+    }
+    let (shortest, longest) = (pauses.iter().min().unwrap(), pauses.iter().max().unwrap());
+    assert!(
+        *longest - *shortest > Duration::from_millis(20),
+        "no jitter: {pauses:?}"
+    );
+    println!("backoff pauses from {shortest:?} to {longest:?}, ceilings 40/80/160/160 ms");
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retry_budget_stops_a_retry_storm() {
+    let schema = TestSchema::new().await;
+    let (seen, addrs) = fleet(
+        &schema,
+        Duration::ZERO,
+        Canned::Always(StatusCode::SERVICE_UNAVAILABLE),
+    )
+    .await;
+    let url = format!("http://{}", addrs[0]);
+    let calls = 40;
+    let storm = |layer: IdempotencyClientLayer| {
+        let client = client(
+            layer
+                .with_max_attempts(4)
+                .with_backoff(Duration::from_millis(1), Duration::from_millis(2)),
+        );
+        let url = url.clone();
+        async move {
+            for n in 0..calls {
+                post_payment(&client, &url, Some(&format!("storm-{n}")), "{}").await;
+            }
+        }
+    };
+    // A generous budget: every call makes its 4 attempts.
+    let unbounded = Arc::new(TpsBudget::new(Duration::from_secs(1), 1000, 1000.0));
+    storm(IdempotencyClientLayer::new().with_budget(unbounded)).await;
+    let without = seen.all_arrivals();
+    assert_eq!(without, calls * 4);
+    // 10 % of the calls, and 1 a second: about 5 retries for the 40 calls.
+    let budget = Arc::new(TpsBudget::new(Duration::from_secs(1), 1, 0.1));
+    storm(IdempotencyClientLayer::new().with_budget(budget)).await;
+    let with = seen.all_arrivals() - without;
+    assert!(
+        with <= calls + calls / 10 + 3,
+        "{with} requests for {calls} calls"
+    );
+    assert!(with > calls, "the budget allows some retries: {with}");
+    println!(
+        "a fleet answering 503: {without} requests for {calls} calls without a budget, {with} with one"
+    );
+    schema.drop().await;
+}
