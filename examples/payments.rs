@@ -20,8 +20,10 @@
 //! | `PORT` | listening port on 127.0.0.1 (3000) |
 //! | `IDEMPOTENCY_LEASE_MS` | the claim lease (30000) |
 //! | `IDEMPOTENCY_WAIT_MS` | how long a duplicate waits for the first request (10000) |
-//! | `PAYMENTS_WORK_MS` | simulated work (fraud scoring) before the payment is written; on Postgres, inside its fenced transaction (0) |
-//! | `PAYMENTS_PAUSE_AFTER_COMMIT_MS` | a pause after the payment's transaction commits, before the answer (0) |
+//! | `PAYMENTS_WORK_MS` | simulated work (fraud scoring) before the charge; on Postgres, after the intent is recorded, with no transaction open (0) |
+//! | `PAYMENTS_PAUSE_AFTER_INTENT_MS` | on Postgres, a pause after step 1 (the intent) commits (0) |
+//! | `PAYMENTS_PAUSE_AFTER_CHARGE_MS` | on Postgres, a pause after the provider charged, before step 3 (0) |
+//! | `PAYMENTS_PAUSE_AFTER_COMMIT_MS` | a pause after the payment's last transaction commits, before the answer (0) |
 //!
 //! Each charge carries an idempotency key derived from the payment's (`IdempotencyClaim::derived_key`),
 //! the same on every attempt and every retry of the payment, so the provider deduplicates it; the
@@ -172,6 +174,8 @@ struct AppState {
     ledger: Ledger,
     provider: Provider,
     work: Duration,
+    pause_after_intent: Duration,
+    pause_after_charge: Duration,
     pause_after_commit: Duration,
 }
 
@@ -241,27 +245,115 @@ fn created(payment: &Payment) -> http::Response<Bytes> {
         .expect("a valid response")
 }
 
-/// Charges and writes the payment in one transaction, fenced, and stores the answer with it.
+/// Records the payment in steps, resuming where an earlier attempt of the same request stopped:
 ///
-/// The fence comes first, so an attempt that lost its claim (its lease ran out during a stall and
-/// a retry took the key over) stops before charging, and while this attempt holds the fence no
-/// retry can take it over. The answer is stored in the same transaction
-/// (`commit_with_response`): if this instance dies once the payment is committed, a retry on
-/// another instance gets this payment at once, never a second one and never "outcome unknown".
+/// 1. the intent (a `pending` payment row) and the recovery point `intent_recorded`, in one
+///    short transaction (a stale attempt, whose lease another took over, is stopped here by the
+///    recovery point's owner check and writes nothing);
+/// 2. the provider call, with no transaction open and no lock held, carrying a key derived from
+///    the payment's: a retry that calls it again is deduplicated by the provider;
+/// 3. the result and the answer, fenced (`commit_with_response`), in one short transaction: if
+///    this instance dies once it commits, a retry on another instance gets this payment at once.
+///
+/// An instance killed between two steps leaves its key in flight until its lease ends; the next
+/// retry, on any instance, takes it over and continues from the last recovery point.
 async fn record_payment(
     pool: &PgPool,
     state: &AppState,
     claim: &IdempotencyClaim,
     payment: &mut Payment,
 ) -> Result<http::Response<Bytes>, Response> {
-    let unavailable = |error: sqlx::Error| {
-        problem(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "database unavailable",
-            error,
-        )
-    };
-    let fence_failed = |error| match error {
+    let mut connection = pool.acquire().await.map_err(unavailable)?;
+    let resumed = claim
+        .recovery_point(&mut connection)
+        .await
+        .map_err(fence_failed)?;
+    drop(connection);
+    match resumed {
+        Some(point) if point.name() == "intent_recorded" => {
+            let id = point.payload()["payment_id"].as_str().unwrap_or_default();
+            tracing::info!(payment = id, "resuming after the recorded intent");
+            payment.id = id.to_owned();
+        }
+        _ => record_intent(pool, claim, payment).await?,
+    }
+    tokio::time::sleep(state.pause_after_intent).await;
+    // Fraud scoring, address checks…, then the charge: nothing is held meanwhile.
+    tokio::time::sleep(state.work).await;
+    payment.charge_id = state
+        .provider
+        .charge(claim, payment.amount_cents)
+        .await
+        .map_err(|error| problem(StatusCode::BAD_GATEWAY, "provider failed", error))?;
+    tokio::time::sleep(state.pause_after_charge).await;
+    let response = record_result(pool, claim, payment).await?;
+    // A pause between the commit and the answer, where a crash leaves a committed payment
+    // whose response the layer has not stored yet (fault tests use it).
+    tokio::time::sleep(state.pause_after_commit).await;
+    Ok(response)
+}
+
+/// Step 1: the `pending` payment row and the recovery point, together.
+async fn record_intent(
+    pool: &PgPool,
+    claim: &IdempotencyClaim,
+    payment: &Payment,
+) -> Result<(), Response> {
+    let mut tx = pool.begin().await.map_err(unavailable)?;
+    sqlx::query(
+        "INSERT INTO payments (id, amount_cents, currency, customer, status, charge_id, idempotency_key)
+         VALUES ($1, $2, $3, $4, 'pending', '', $5)",
+    )
+    .bind(&payment.id)
+    .bind(payment.amount_cents)
+    .bind(&payment.currency)
+    .bind(&payment.customer)
+    .bind(&payment.idempotency_key)
+    .execute(&mut *tx)
+    .await
+    .map_err(unavailable)?;
+    let progress = serde_json::json!({ "payment_id": payment.id });
+    claim
+        .advance(&mut tx, "intent_recorded", &progress)
+        .await
+        .map_err(fence_failed)?;
+    tx.commit().await.map_err(unavailable)
+}
+
+/// Step 3: the charge on the payment row, and the answer stored with the fence.
+async fn record_result(
+    pool: &PgPool,
+    claim: &IdempotencyClaim,
+    payment: &Payment,
+) -> Result<http::Response<Bytes>, Response> {
+    let mut tx = pool.begin().await.map_err(unavailable)?;
+    sqlx::query("UPDATE payments SET status = $2, charge_id = $3 WHERE id = $1")
+        .bind(&payment.id)
+        .bind(&payment.status)
+        .bind(&payment.charge_id)
+        .execute(&mut *tx)
+        .await
+        .map_err(unavailable)?;
+    let response = created(payment);
+    claim
+        .commit_with_response(&mut tx, &response)
+        .await
+        .map_err(fence_failed)?;
+    tx.commit().await.map_err(unavailable)?;
+    Ok(response)
+}
+
+fn unavailable(error: sqlx::Error) -> Response {
+    problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "database unavailable",
+        error,
+    )
+}
+
+/// A fence or recovery point refused: a stale attempt, stopped before it wrote anything.
+fn fence_failed(error: FenceError) -> Response {
+    match error {
         error @ FenceError::LeaseLost { .. } => {
             tracing::warn!(%error, "stale attempt stopped by the fence");
             problem(StatusCode::CONFLICT, "claim lost", error)
@@ -271,40 +363,7 @@ async fn record_payment(
             "database unavailable",
             error,
         ),
-    };
-    let mut tx = pool.begin().await.map_err(unavailable)?;
-    claim.commit(&mut tx).await.map_err(fence_failed)?;
-    // Fraud scoring, address checks…: slow work inside the fenced transaction.
-    tokio::time::sleep(state.work).await;
-    payment.charge_id = state
-        .provider
-        .charge(claim, payment.amount_cents)
-        .await
-        .map_err(|error| problem(StatusCode::BAD_GATEWAY, "provider failed", error))?;
-    sqlx::query(
-        "INSERT INTO payments (id, amount_cents, currency, customer, status, charge_id, idempotency_key)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
-    )
-    .bind(&payment.id)
-    .bind(payment.amount_cents)
-    .bind(&payment.currency)
-    .bind(&payment.customer)
-    .bind(&payment.status)
-    .bind(&payment.charge_id)
-    .bind(&payment.idempotency_key)
-    .execute(&mut *tx)
-    .await
-    .map_err(unavailable)?;
-    let response = created(payment);
-    claim
-        .commit_with_response(&mut tx, &response)
-        .await
-        .map_err(fence_failed)?;
-    tx.commit().await.map_err(unavailable)?;
-    // A pause between the commit and the answer, where a crash leaves a committed payment
-    // whose response the layer has not stored yet (fault tests use it).
-    tokio::time::sleep(state.pause_after_commit).await;
-    Ok(response)
+    }
 }
 
 async fn get_payment(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
@@ -469,6 +528,8 @@ async fn main() {
         ledger,
         provider,
         work: env_millis("PAYMENTS_WORK_MS", 0),
+        pause_after_intent: env_millis("PAYMENTS_PAUSE_AFTER_INTENT_MS", 0),
+        pause_after_charge: env_millis("PAYMENTS_PAUSE_AFTER_CHARGE_MS", 0),
         pause_after_commit: env_millis("PAYMENTS_PAUSE_AFTER_COMMIT_MS", 0),
     };
     let layer = IdempotencyLayer::from_shared_store(store)

@@ -199,6 +199,84 @@ impl IdempotencyClaim {
     }
 }
 
+/// # Multi-step handlers: recovery points (Postgres)
+///
+/// A handler that does several things (record the intent, call a provider, record the result)
+/// cuts its work into steps, each a short transaction of its own that also advances the key's
+/// recovery point; calls to other systems run between steps, with no transaction open and no
+/// lock held, carrying a key derived from this one ([`derived_key`](Self::derived_key)) so the
+/// other system deduplicates them. A retry of an interrupted request, on any instance, runs the
+/// handler again once the first attempt's lease has run out: it reads where that attempt got to
+/// ([`recovery_point`](Self::recovery_point)) and continues from there. The last step stores
+/// the answer with the fence ([`commit_with_response`](Self::commit_with_response)).
+///
+/// ```no_run
+/// # async fn charge(key: &str, amount: i64) -> Result<String, Box<dyn std::error::Error>> { Ok(String::new()) }
+/// use tower_idempotency::IdempotencyClaim;
+///
+/// async fn pay(pool: sqlx::PgPool, claim: IdempotencyClaim) -> Result<http::Response<bytes::Bytes>, Box<dyn std::error::Error>> {
+///     let resumed = claim.recovery_point(&mut *pool.acquire().await?).await?;
+///     let payment_id = match resumed {
+///         // A previous attempt recorded the intent: continue from there.
+///         Some(point) if point.name() == "intent_recorded" => point.payload()["payment_id"].as_str().unwrap().to_owned(),
+///         _ => {
+///             // Step 1: the intent, and the recovery point, in one short transaction.
+///             let id = format!("pay_{}", uuid::Uuid::new_v4().simple());
+///             let mut tx = pool.begin().await?;
+///             sqlx::query("INSERT INTO payments (id, status) VALUES ($1, 'pending')").bind(&id).execute(&mut *tx).await?;
+///             claim.advance(&mut tx, "intent_recorded", &serde_json::json!({ "payment_id": id })).await?;
+///             tx.commit().await?;
+///             id
+///         }
+///     };
+///     // The provider, with no transaction open: the derived key makes a repeated call a no-op.
+///     let charge_id = charge(claim.derived_key("charge").as_str(), 4900).await?;
+///     // Step 2: the result and the answer, fenced, in one short transaction.
+///     let mut tx = pool.begin().await?;
+///     sqlx::query("UPDATE payments SET status = 'succeeded', charge_id = $2 WHERE id = $1")
+///         .bind(&payment_id).bind(&charge_id).execute(&mut *tx).await?;
+///     let response = http::Response::builder().status(201).body(bytes::Bytes::from(payment_id))?;
+///     claim.commit_with_response(&mut tx, &response).await?;
+///     tx.commit().await?;
+///     Ok(response)
+/// }
+/// ```
+///
+/// A key with a recovery point is never deleted while in flight: when the completion policy
+/// releases it (the provider failed, say), its lease ends instead, and the next retry resumes.
+/// Only the request it was first claimed for may resume it; another with the same key gets 422.
+/// Recovery points live in Postgres (alone, or behind Redis); a handler on the memory or Redis
+/// store alone gets [`FenceError::LeaseLost`](crate::store::FenceError::LeaseLost).
+#[cfg(feature = "postgres")]
+impl IdempotencyClaim {
+    /// How far an earlier attempt of this request got: the recovery point its last finished
+    /// step recorded, or `None` on a first attempt (or one whose predecessors recorded none).
+    /// Fails with [`FenceError::LeaseLost`](crate::store::FenceError::LeaseLost) if this
+    /// attempt no longer holds the key.
+    pub async fn recovery_point(
+        &self,
+        connection: &mut sqlx::PgConnection,
+    ) -> Result<Option<crate::store::RecoveryPoint>, crate::store::FenceError> {
+        crate::store::recovery_point(connection, &self.lease).await
+    }
+
+    /// Records that the handler got to `point`, leaving `payload` for the steps after it,
+    /// **inside the handler's own transaction**, if this attempt still holds the key in flight:
+    /// the step's writes and its recovery point commit together, or neither does. Restarts the
+    /// lease, and keeps the key (and so the progress) for the retention period. Fails with
+    /// [`FenceError::LeaseLost`](crate::store::FenceError::LeaseLost) if another attempt took
+    /// the key over: roll back.
+    pub async fn advance(
+        &self,
+        connection: &mut sqlx::PgConnection,
+        point: &str,
+        payload: &serde_json::Value,
+    ) -> Result<(), crate::store::FenceError> {
+        let times = (self.retention, self.lease_duration);
+        crate::store::advance(connection, &self.lease, times, point, payload).await
+    }
+}
+
 #[cfg(feature = "axum")]
 mod extract {
     use axum::{

@@ -1,6 +1,6 @@
 //! The layer: how an application configures the middleware.
 
-use std::{sync::Arc, time::Duration};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http::{HeaderName, Method, request::Parts};
@@ -11,7 +11,7 @@ use crate::{
     problem::Problem,
     protocol::{Engine, State},
     settings::Settings,
-    store::Store,
+    store::{RecordKey, Store},
     telemetry::{Counters, Telemetry},
 };
 
@@ -261,6 +261,35 @@ impl IdempotencyLayer {
         render: impl Fn(&Problem) -> http::Response<Bytes> + Send + Sync + 'static,
     ) -> Self {
         self.settings.answers.problem_response = Some(Arc::new(render));
+        self
+    }
+
+    /// Rebuilds the answer of a key whose handler committed through the fence
+    /// ([`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit)) and whose instance died
+    /// before the layer stored its response: the hook gets the key's record and answers from
+    /// the application's own rows (the payment the handler wrote, say), or `None` when it
+    /// cannot. The answer is stored, owner-checked, and replayed to this and every later retry,
+    /// instead of `409 outcome-unknown` for the whole retention. Called only for such keys,
+    /// once their owner's lease and grace have run out. Needs a store that can adopt a key
+    /// (Postgres, alone or behind Redis); on the others the retries still get
+    /// `outcome-unknown`.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_recovery(|record| async move {
+    ///     // Look the payment up by `record.key()` in the application's tables…
+    ///     let found = Some(format!(r#"{{"payment_for":"{}"}}"#, record.key()));
+    ///     found.map(|body| http::Response::builder().status(201).body(Bytes::from(body)).unwrap())
+    /// });
+    /// ```
+    pub fn with_recovery<F, Fut>(mut self, recover: F) -> Self
+    where
+        F: Fn(RecordKey) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Option<http::Response<Bytes>>> + Send + 'static,
+    {
+        self.settings.recovery = Some(Arc::new(move |record| Box::pin(recover(record))));
         self
     }
 }

@@ -79,7 +79,9 @@
 //! most once per key across the fleet, whatever stalls, crashes or store outages do. Without it,
 //! the handler runs once per key while its process is healthy: a process stalled past its lease
 //! loses the key and a retry may run the handler again; forward the key to a downstream that
-//! deduplicates on it, or fence.
+//! deduplicates on it, or fence. A handler of several steps records a recovery point in each
+//! step's own transaction ([`IdempotencyClaim::advance`]), and a retry of an interrupted request
+//! resumes from it instead of starting again.
 //!
 //! # Composing with other layers
 //!

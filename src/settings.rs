@@ -3,6 +3,7 @@
 
 use std::{fmt, sync::Arc, time::Duration};
 
+use bytes::Bytes;
 use http::{HeaderName, Method, request::Parts};
 
 use crate::{
@@ -11,7 +12,7 @@ use crate::{
     fingerprint::BodyFingerprintFn,
     response::StoreRules,
     scope,
-    store::{RecordKey, Store},
+    store::{BoxFuture, RecordKey, Store},
     telemetry::{Pseudonym, ShownRecord},
 };
 
@@ -30,6 +31,10 @@ pub const DEFAULT_FINALIZE_DEADLINE: Duration = Duration::from_secs(10 * 60);
 
 /// The scope function of [`IdempotencyLayer::with_scope`](crate::IdempotencyLayer::with_scope).
 pub(crate) type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// The hook of [`IdempotencyLayer::with_recovery`](crate::IdempotencyLayer::with_recovery).
+pub(crate) type RecoveryFn =
+    dyn Fn(RecordKey) -> BoxFuture<'static, Option<http::Response<Bytes>>> + Send + Sync;
 
 /// Everything a layer was configured with, grouped as its builder documents it.
 #[derive(Clone)]
@@ -55,6 +60,7 @@ pub(crate) struct Settings {
     // Answers.
     pub(crate) policy: CompletionPolicy,
     pub(crate) answers: Answers,
+    pub(crate) recovery: Option<Arc<RecoveryFn>>,
     // Observability.
     pub(crate) keys_in_clear: bool,
 }
@@ -79,6 +85,7 @@ impl Settings {
             finalize_deadline: DEFAULT_FINALIZE_DEADLINE,
             policy: CompletionPolicy::default(),
             answers: Answers::default(),
+            recovery: None,
             keys_in_clear: false,
         }
     }
@@ -117,6 +124,7 @@ impl fmt::Debug for Settings {
             .field("wait", &self.wait)
             .field("finalize_deadline", &self.finalize_deadline)
             .field("answer_level", &self.answers.level)
+            .field("recovery", &self.recovery.is_some())
             .field("keys_in_clear", &self.keys_in_clear)
             .finish_non_exhaustive()
     }

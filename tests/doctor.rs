@@ -155,7 +155,9 @@ async fn postgres_flags_missing_migrations_missing_timeouts_and_a_sweeper_that_n
     println!("{diagnosis}");
     assert_eq!(severity(&diagnosis, "migrations"), Severity::Risk);
     let migrations = diagnosis.of("migrations").next().unwrap();
-    assert!(migrations.message.contains("2 of 3"), "{migrations}");
+    let total = tower_idempotency::store::MIGRATOR.iter().count();
+    let applied = format!("{} of {total}", total - 1);
+    assert!(migrations.message.contains(&applied), "{migrations}");
     assert_eq!(severity(&diagnosis, "sweeper"), Severity::Warning);
     assert_eq!(severity(&diagnosis, "idle_in_transaction"), Severity::Ok);
     store.sweep().await.unwrap();

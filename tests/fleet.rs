@@ -203,9 +203,10 @@ async fn exactly_once(
     for (key, id) in &rows {
         rows_per_key.entry(key).or_default().push(id);
     }
-    // Every call that reached the provider counts: two executions of one payment would show,
-    // even though the provider deduplicates them on the key.
-    let charges = provider.calls();
+    // Charges the provider made (it deduplicates on the key the payment derives): an attempt
+    // that resumes after another may call it again, with the same key; a second charge would
+    // need a second key.
+    let charges = provider.charges();
     // Final: completed, or committed with the response the fence stored.
     let left_in_flight: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM idempotency_keys WHERE state <> 'completed' AND response IS NULL",
@@ -662,9 +663,11 @@ async fn an_instance_killed_after_the_commit_leaves_the_payment_to_the_retry() {
         });
         // Killed once the payment is committed, before the answer leaves the instance.
         let committed: String = support::eventually(Duration::from_secs(5), "the commit", || {
-            sqlx::query_scalar("SELECT id FROM payments WHERE idempotency_key = $1")
-                .bind(&key)
-                .fetch_one(&schema.pool)
+            sqlx::query_scalar(
+                "SELECT id FROM payments WHERE idempotency_key = $1 AND status = 'succeeded'",
+            )
+            .bind(&key)
+            .fetch_one(&schema.pool)
         })
         .await;
         doomed.child.kill().unwrap();
@@ -694,5 +697,184 @@ async fn an_instance_killed_after_the_commit_leaves_the_payment_to_the_retry() {
     );
     assert!(slowest < lease + Duration::from_secs(2), "took {slowest:?}");
     drop(survivor);
+    schema.drop().await;
+}
+
+/// Kills an instance (SIGKILL) while a payment waits at `pause` (one of the example's pauses
+/// between its steps) once `reached` says it got there, and retries on another instance: the
+/// retry takes the key over when the lease ends, resumes from the last recovery point, and
+/// answers with the one payment; the provider charged once. Returns how long after the kill
+/// the answer came, and the provider's calls for the key.
+async fn kill_between_steps(
+    pause: &'static str,
+    reached: impl AsyncFn(&TestSchema, &MockProvider, &str) -> bool,
+) -> (Duration, u32) {
+    let redis = RedisServer::start().await;
+    let schema = TestSchema::new().await;
+    let provider = MockProvider::start(Duration::from_millis(10)).await;
+    let lease = Duration::from_millis(1000);
+    let mut env = env(&redis, &schema, &provider, 1000, 0);
+    let survivor = Proc::example("payments", &env).await;
+    env.push((pause, "30000".into()));
+    let key = format!("resume-{}", uuid::Uuid::new_v4().simple());
+    let mut doomed = Proc::example("payments", &env).await;
+    let request = tokio::spawn({
+        let (url, key) = (doomed.url("/payments"), key.clone());
+        async move { post_json(&url, &key, PAYMENT).await }
+    });
+    let started = Instant::now();
+    while !reached(&schema, &provider, &key).await {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{pause}: never reached"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    doomed.child.kill().unwrap();
+    let killed_at = Instant::now();
+    assert!(
+        request.await.unwrap().is_err(),
+        "the killed instance answered"
+    );
+
+    let tally = Tally::default();
+    let url = [survivor.url("/payments")];
+    let answer = deliver(&url, 0, &key, Duration::from_secs(10), &tally).await;
+    let took = killed_at.elapsed();
+    let (id, status): (String, String) =
+        sqlx::query_as("SELECT id, status FROM payments WHERE idempotency_key = $1")
+            .bind(&key)
+            .fetch_one(&schema.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        answer.json()["id"],
+        id.as_str(),
+        "the retry answered another payment"
+    );
+    assert_eq!(status, "succeeded");
+    let answers = HashMap::from([(key.clone(), vec![id])]);
+    let figures = exactly_once(&schema.pool, &provider, &answers).await;
+    assert!(
+        took < lease * 3 / 2 + Duration::from_secs(1),
+        "{pause}: took {took:?}"
+    );
+    let calls = provider.calls()[&key];
+    println!(
+        "killed at {pause} (lease {lease:?}): answered {took:?} after the kill; {figures}; provider calls {calls}"
+    );
+    drop((survivor, doomed));
+    schema.drop().await;
+    (took, calls)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_killed_after_recording_the_intent_is_resumed_by_the_retry() {
+    let _serial = SERIAL.lock().await;
+    let (_, calls) =
+        kill_between_steps("PAYMENTS_PAUSE_AFTER_INTENT_MS", async |schema, _, key| {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payments WHERE idempotency_key = $1")
+                .bind(key)
+                .fetch_one(&schema.pool)
+                .await
+                .unwrap()
+                == 1
+        })
+        .await;
+    assert_eq!(calls, 1, "the killed instance never reached the provider");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_killed_after_the_charge_is_resumed_and_charged_once() {
+    let _serial = SERIAL.lock().await;
+    let (_, calls) = kill_between_steps(
+        "PAYMENTS_PAUSE_AFTER_CHARGE_MS",
+        async |_, provider, key| provider.calls().get(key) == Some(&1),
+    )
+    .await;
+    assert_eq!(
+        calls, 2,
+        "the retry called the provider again, with the same key"
+    );
+}
+
+/// A provider that hangs for longer than the lease while duplicates arrive: the payment holds
+/// no row lock and no open transaction meanwhile (the call runs between two steps), its lease
+/// stays renewed, and the duplicates are told it is in flight, then get the payment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_provider_holds_no_lock_and_duplicates_are_told_it_is_in_flight() {
+    let _serial = SERIAL.lock().await;
+    let schema = TestSchema::new().await;
+    let provider = MockProvider::with_faults(
+        Duration::ZERO,
+        vec![support::ProviderFault::Slow(Duration::from_secs(4))],
+    )
+    .await;
+    let application = format!("hang-{}", uuid::Uuid::new_v4().simple());
+    let database = format!(
+        "{}&application_name={application}",
+        url_in_schema(&database_url(), &schema.name)
+    );
+    let env = [
+        ("DATABASE_URL", database),
+        ("PROVIDER_URL", provider.url.clone()),
+        ("IDEMPOTENCY_LEASE_MS", "1000".into()),
+        ("IDEMPOTENCY_WAIT_MS", "100".into()),
+    ];
+    let instances = [
+        Proc::example("payments", &env).await,
+        Proc::example("payments", &env).await,
+    ];
+    let key = format!("hang-{}", uuid::Uuid::new_v4().simple());
+    let first = tokio::spawn({
+        let (url, key) = (instances[0].url("/payments"), key.clone());
+        async move { post_json(&url, &key, PAYMENT).await }
+    });
+    while !provider.calls().contains_key(&key) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // For over twice the lease into the hang: duplicates, and what the app's sessions hold.
+    let mut in_flight = 0;
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let duplicate = post_json(&instances[1].url("/payments"), &key, PAYMENT)
+            .await
+            .unwrap();
+        assert_eq!(
+            duplicate.status,
+            StatusCode::CONFLICT,
+            "{:?}",
+            duplicate.body
+        );
+        assert!(duplicate.headers.contains_key("retry-after"));
+        in_flight += 1;
+        let (open, locks): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM pg_stat_activity
+                     WHERE application_name = $1 AND state LIKE 'idle in transaction%'),
+                    (SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                     WHERE a.application_name = $1 AND l.locktype IN ('tuple', 'transactionid'))",
+        )
+        .bind(&application)
+        .fetch_one(&schema.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            (open, locks),
+            (0, 0),
+            "a transaction or row lock held across the provider call"
+        );
+    }
+    let paid = first.await.unwrap().unwrap();
+    assert_eq!(paid.status, StatusCode::CREATED);
+    let replay = post_json(&instances[1].url("/payments"), &key, PAYMENT)
+        .await
+        .unwrap();
+    assert!(replay.replayed());
+    assert_eq!(replay.json()["id"], paid.json()["id"]);
+    assert_eq!(provider.charges()[&key], 1);
+    println!(
+        "provider hung 4 s (lease 1 s): {in_flight} duplicates answered 409 in flight, no lock or transaction held, one charge"
+    );
+    drop(instances);
     schema.drop().await;
 }

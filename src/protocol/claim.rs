@@ -7,6 +7,7 @@ use http::{HeaderMap, Response};
 use tokio::time::Instant;
 
 use super::{Caller, Engine, wait::Backoff};
+use crate::settings::RecoveryFn;
 use crate::{
     answers::vary_mismatch,
     body::ResponseBody,
@@ -45,10 +46,60 @@ pub(super) async fn claim_or_answer<B, E>(
     }
 }
 
-/// One claim call, timed.
+/// One claim call, timed; a key committed without an answer is given the application's, when
+/// it rebuilds one.
 async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
     let store = &engine.settings.store;
-    engine.telemetry.timed("claim", store.claim(claim)).await
+    let outcome = engine.telemetry.timed("claim", store.claim(claim)).await;
+    match (outcome, &engine.settings.recovery) {
+        (Ok(ClaimOutcome::Orphaned), Some(recover)) => {
+            Box::pin(recovered(engine, claim, &**recover)).await
+        }
+        (outcome, _) => outcome,
+    }
+}
+
+/// Asks the application for the answer of a key committed without one, and stores it: the
+/// answer to replay, or the key as it was when the application has none (or the store cannot
+/// adopt it).
+async fn recovered(
+    engine: &Engine,
+    claim: &ClaimRequest,
+    recover: &RecoveryFn,
+) -> Result<ClaimOutcome, StoreError> {
+    let Some(response) = recover(claim.record().clone()).await else {
+        tracing::warn!("key committed without an answer, and the recovery hook has none");
+        return Ok(ClaimOutcome::Orphaned);
+    };
+    let settings = &engine.settings;
+    let stored = settings.store_rules.record(&response);
+    let adopt = settings.store.adopt(claim, &stored, settings.retention);
+    match engine.telemetry.timed("adopt", adopt).await {
+        Ok(true) => {
+            tracing::info!(
+                "stored the answer the recovery hook rebuilt for a key committed without one"
+            );
+            let response = Box::new(stored);
+            Ok(ClaimOutcome::Completed {
+                response,
+                expires_in: settings.retention,
+            })
+        }
+        // Another retry adopted it meanwhile: its answer is the one stored.
+        Ok(false) => {
+            engine
+                .telemetry
+                .timed("claim", settings.store.claim(claim))
+                .await
+        }
+        Err(error) => {
+            tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "could not store the recovered answer"
+            );
+            Ok(ClaimOutcome::Orphaned)
+        }
+    }
 }
 
 /// The wait of [`claim_or_answer`] for a key found in flight.

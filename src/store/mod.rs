@@ -48,12 +48,12 @@ mod tiered;
 pub use diagnosis::{Diagnosis, Finding, Severity};
 pub use memory::{DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MAX_ENTRIES, MemoryStore};
 #[cfg(feature = "postgres")]
-pub(crate) use postgres::commit;
-#[cfg(feature = "postgres")]
 pub use postgres::{
     DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_TIMEOUT, DEFAULT_SWEEP_BATCH, FenceError,
-    MIGRATOR, PARTITION_BY_HASH, PostgresStore,
+    MIGRATOR, PARTITION_BY_HASH, PostgresStore, RecoveryPoint,
 };
+#[cfg(feature = "postgres")]
+pub(crate) use postgres::{advance, commit, recovery_point};
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_REDIS_TIMEOUT, RedisStore};
 pub use tiered::{DEFAULT_BREAKER_COOLDOWN, TieredStore};
@@ -147,6 +147,26 @@ pub trait Store: Send + Sync + 'static {
         })
     }
 
+    /// Completes a key whose handler committed and whose owner died before storing an answer
+    /// ([`ClaimOutcome::Orphaned`]) with `response`, which the application rebuilt from its
+    /// own records (see [`IdempotencyLayer::with_recovery`](crate::IdempotencyLayer::with_recovery)):
+    /// whether it did, which it does only while the key is still orphaned and was claimed with
+    /// `request`'s fingerprint. Stores that cannot answer [`StoreError::Unsupported`].
+    fn adopt<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let _ = (request, response, retention);
+        Box::pin(async move {
+            Err(StoreError::Unsupported {
+                store: self.kind(),
+                operation: "adopt",
+            })
+        })
+    }
+
     /// Checks the servers the store runs on for the settings that break its guarantees (an
     /// evicting Redis, Postgres migrations behind the crate's, …), for an operator or an app at
     /// start-up: a finding per check, never an error (a server that cannot be reached is a
@@ -206,6 +226,15 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         limit: usize,
     ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
         (**self).stuck(older_than, limit)
+    }
+
+    fn adopt<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        (**self).adopt(request, response, retention)
     }
 
     fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {

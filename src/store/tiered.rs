@@ -258,6 +258,16 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
         "tiered"
     }
 
+    /// The authority's: it is the one that knows the key was committed.
+    fn adopt<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.authority.adopt(request, response, retention)
+    }
+
     /// The front's findings, its risks lowered to warnings (the authority keeps the guarantee
     /// whatever the front loses: only the authority's load rises), then the authority's.
     fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {

@@ -78,6 +78,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "fence function",
         include_str!("../../../migrations/20261129000002_fence_function.sql"),
     ),
+    (
+        20261201000000,
+        "recovery points",
+        include_str!("../../../migrations/20261201000000_recovery_points.sql"),
+    ),
 ];
 
 /// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 16 ways:
@@ -440,6 +445,10 @@ async fn settle_in(
     };
     let flag = |column| row.try_get::<bool, _>(column);
     let state: String = row.try_get("state")?;
+    if !flag("live")? && flag("resumable")? && !flag("same")? && state == "in_flight" {
+        // Progress made for another request: not this one's to take over.
+        return Ok(Some(ClaimOutcome::Mismatch));
+    }
     if !flag("live")? {
         let fence: i64 = sqlx::query_scalar(TAKE_OVER)
             .bind(record.scope())
@@ -575,6 +584,31 @@ impl Store for PostgresStore {
         "postgres"
     }
 
+    fn adopt<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+        response: &'a StoredResponse,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let record = request.record();
+            let adopted = self
+                .on_connection(async |connection| {
+                    sqlx::query(ADOPT)
+                        .bind(record.scope())
+                        .bind(record.key().as_str())
+                        .bind(&request.fingerprint().as_bytes()[..])
+                        .bind(response.status().as_u16() as i16)
+                        .bind(response.encode().to_vec())
+                        .bind(millis(retention))
+                        .execute(connection)
+                        .await
+                })
+                .await?;
+            Ok(adopted.rows_affected() == 1)
+        })
+    }
+
     fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
         Box::pin(self.diagnosis())
     }
@@ -676,7 +710,7 @@ pub(crate) async fn commit(
 ) -> Result<(), FenceError> {
     let (retention, lease_duration) = times;
     let record = lease.record();
-    let fenced: bool = sqlx::query_scalar(COMMIT)
+    let committed: bool = sqlx::query_scalar(COMMIT)
         .bind(record.scope())
         .bind(record.key().as_str())
         .bind(lease.owner())
@@ -690,11 +724,97 @@ pub(crate) async fn commit(
             record: record.clone(),
             source,
         })?;
-    if fenced {
+    fenced(committed, lease)
+}
+
+/// How far a multi-step handler got with its key: the point its last finished step recorded,
+/// and what it left for the next ([`IdempotencyClaim::advance`](crate::IdempotencyClaim::advance)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecoveryPoint {
+    name: String,
+    payload: serde_json::Value,
+}
+
+impl RecoveryPoint {
+    /// The point's name, as the handler gave it (`"intent_recorded"`, say).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// What the step left for the next (`null` when it left nothing).
+    pub fn payload(&self) -> &serde_json::Value {
+        &self.payload
+    }
+}
+
+/// Moves the key's recovery point to `point`, with `payload`, inside the caller's transaction, if
+/// `lease`'s owner still holds it in flight. See
+/// [`IdempotencyClaim::advance`](crate::IdempotencyClaim::advance).
+pub(crate) async fn advance(
+    connection: &mut PgConnection,
+    lease: &Lease,
+    times: (Duration, Duration),
+    point: &str,
+    payload: &serde_json::Value,
+) -> Result<(), FenceError> {
+    let (retention, lease_duration) = times;
+    let record = lease.record();
+    let advanced: bool = sqlx::query_scalar(ADVANCE)
+        .bind(record.scope())
+        .bind(record.key().as_str())
+        .bind(lease.owner())
+        .bind(point)
+        .bind(payload.to_string())
+        .bind(millis(retention))
+        .bind(millis(lease_duration))
+        .fetch_one(connection)
+        .await
+        .map_err(|source| FenceError::Database {
+            record: record.clone(),
+            source,
+        })?;
+    fenced(advanced, lease)
+}
+
+/// The key's recovery point, if `lease`'s owner holds it. See
+/// [`IdempotencyClaim::recovery_point`](crate::IdempotencyClaim::recovery_point).
+pub(crate) async fn recovery_point(
+    connection: &mut PgConnection,
+    lease: &Lease,
+) -> Result<Option<RecoveryPoint>, FenceError> {
+    let record = lease.record();
+    let failed = |source| FenceError::Database {
+        record: record.clone(),
+        source,
+    };
+    let row = sqlx::query(RECOVERY)
+        .bind(record.scope())
+        .bind(record.key().as_str())
+        .bind(lease.owner())
+        .fetch_optional(connection)
+        .await
+        .map_err(failed)?;
+    let Some(row) = row else {
+        return fenced(false, lease).map(|()| None);
+    };
+    let name: Option<String> = row.try_get("recovery_point").map_err(failed)?;
+    let payload: Option<String> = row.try_get("payload").map_err(failed)?;
+    let payload = match payload {
+        Some(text) => {
+            serde_json::from_str(&text).map_err(|e| failed(sqlx::Error::Decode(e.into())))?
+        }
+        None => serde_json::Value::Null,
+    };
+    Ok(name.map(|name| RecoveryPoint { name, payload }))
+}
+
+/// `Ok` if the owner-checked statement found the owner, else the fence's refusal.
+fn fenced(held: bool, lease: &Lease) -> Result<(), FenceError> {
+    if held {
         Ok(())
     } else {
         Err(FenceError::LeaseLost {
-            record: record.clone(),
+            record: lease.record().clone(),
             fence: lease.fence(),
         })
     }

@@ -13,6 +13,7 @@ pub(super) const CLAIM: &str = r"
 WITH cur AS (
     SELECT state, fingerprint = $3 AS same, response, suspect, owner = $4 AS mine, fence,
            lease_until > now() AS leased, expires_at > now() AS live,
+           recovery_point IS NOT NULL AS resumable,
            ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
            ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms
     FROM idempotency_keys
@@ -36,7 +37,10 @@ UNION ALL
 SELECT CASE
            -- This very claim, run again (its connection failed before it answered).
            WHEN mine AND state = 'in_flight' AND live THEN 'acquired'
-           WHEN NOT live THEN 'expired'
+           -- Progress made for another request is not this one's to resume.
+           WHEN state = 'in_flight' AND NOT leased AND resumable AND NOT same THEN 'mismatch'
+           -- An owner gone, with or without progress: take over (and resume).
+           WHEN NOT live OR (state = 'in_flight' AND NOT leased) THEN 'expired'
            WHEN NOT same THEN 'mismatch'
            WHEN state = 'completed' OR response IS NOT NULL THEN 'completed'
            WHEN leased THEN 'in_flight'
@@ -50,7 +54,8 @@ FROM cur
 /// Locks a row that needs settling, unless another transaction holds it.
 pub(super) const LOCK: &str = r"
 SELECT fingerprint = $3 AS same, state, response IS NOT NULL AS answered, suspect,
-       lease_until > now() AS leased, expires_at > now() AS live
+       lease_until > now() AS leased, recovery_point IS NOT NULL AS resumable,
+       expires_at > now() AND NOT (state = 'in_flight' AND lease_until <= now()) AS live
 FROM idempotency_keys
 WHERE scope = $1 AND key = $2
 FOR UPDATE SKIP LOCKED
@@ -62,16 +67,26 @@ SELECT EXISTS (
     SELECT 1 FROM idempotency_keys
     WHERE scope = $1 AND key = $2
       AND (expires_at <= now()
+           OR (state = 'in_flight' AND lease_until <= now())
            OR (state = 'committed' AND response IS NULL AND lease_until <= now()))
 )
 ";
 
-/// Takes over an expired row, as a fresh claim would have created it.
+/// Takes over an expired row, as a fresh claim would have created it; a row in flight with
+/// progress for this same request keeps its recovery point (and its retention), to resume from.
 pub(super) const TAKE_OVER: &str = r"
 UPDATE idempotency_keys
 SET fingerprint = $3, state = 'in_flight', owner = $4, fence = nextval('idempotency_fence'),
     lease_until = now() + $5::float8 * interval '1 millisecond',
-    expires_at = now() + $5::float8 * interval '1 millisecond',
+    -- Every expression below reads the row as it was (the old state, fingerprint, progress).
+    expires_at = CASE
+        WHEN state = 'in_flight' AND fingerprint = $3 AND recovery_point IS NOT NULL
+        THEN greatest(expires_at, now() + $5::float8 * interval '1 millisecond')
+        ELSE now() + $5::float8 * interval '1 millisecond' END,
+    recovery_point = CASE
+        WHEN state = 'in_flight' AND fingerprint = $3 THEN recovery_point END,
+    recovery_payload = CASE
+        WHEN state = 'in_flight' AND fingerprint = $3 THEN recovery_payload END,
     status = NULL, response = NULL, suspect = false, created_at = now(), updated_at = now()
 WHERE scope = $1 AND key = $2
 RETURNING fence
@@ -94,7 +109,7 @@ WITH target AS (
 renewed AS (
     UPDATE idempotency_keys k
     SET lease_until = now() + $4::float8 * interval '1 millisecond',
-        expires_at = CASE WHEN k.state = 'in_flight'
+        expires_at = CASE WHEN k.state = 'in_flight' AND k.recovery_point IS NULL
                           THEN now() + $4::float8 * interval '1 millisecond'
                           ELSE greatest(k.expires_at, now() + $4::float8 * interval '1 millisecond')
                      END,
@@ -120,11 +135,39 @@ pub(super) const RELEASE: &str = r"
 WITH released AS (
     DELETE FROM idempotency_keys
     WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'in_flight'
+      AND recovery_point IS NULL
+    RETURNING 1
+),
+-- A key with progress is not deleted: its lease ends, and the next attempt resumes it.
+paused AS (
+    UPDATE idempotency_keys SET lease_until = now(), updated_at = now()
+    WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'in_flight'
+      AND recovery_point IS NOT NULL
     RETURNING 1
 )
-SELECT EXISTS (SELECT 1 FROM released) AS released,
+SELECT EXISTS (SELECT 1 FROM released) OR EXISTS (SELECT 1 FROM paused) AS released,
        EXISTS (SELECT 1 FROM idempotency_keys
                WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'committed') AS committed
+";
+
+/// A recovery point, advanced by the handler inside its own transaction (see
+/// `migrations/20261201000000_recovery_points.sql`).
+pub(super) const ADVANCE: &str = "SELECT idempotency_advance($1, $2, $3, $4, $5::jsonb, $6, $7)";
+
+/// The recovery point of a key `$3` holds: (point, payload as text), no row when it does not.
+pub(super) const RECOVERY: &str = r"
+SELECT recovery_point, recovery_payload::text AS payload FROM idempotency_keys
+WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
+";
+
+/// Completes a committed key whose owner died without an answer, with one the application
+/// rebuilt from its own rows: only once its owner's lease and grace have run out.
+pub(super) const ADOPT: &str = r"
+UPDATE idempotency_keys
+SET state = 'completed', status = $4, response = $5, lease_until = now(),
+    expires_at = now() + $6::float8 * interval '1 millisecond', updated_at = now()
+WHERE scope = $1 AND key = $2 AND fingerprint = $3 AND state = 'committed'
+  AND response IS NULL AND suspect AND lease_until <= now()
 ";
 
 /// The fence: run by the handler inside its own transaction, through a function that plans
