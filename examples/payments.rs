@@ -24,6 +24,7 @@
 //! | `PAYMENTS_PAUSE_AFTER_INTENT_MS` | on Postgres, a pause after step 1 (the intent) commits (0) |
 //! | `PAYMENTS_PAUSE_AFTER_CHARGE_MS` | on Postgres, a pause after the provider charged, before step 3 (0) |
 //! | `PAYMENTS_PAUSE_AFTER_COMMIT_MS` | a pause after the payment's last transaction commits, before the answer (0) |
+//! | `PAYMENTS_ANSWER_WITH_FENCE` | `false`: the last step fences with `commit` alone, and a retry whose instance died after it gets the answer the recovery hook rebuilds from the payment row (true) |
 //!
 //! Each charge carries an idempotency key derived from the payment's (`IdempotencyClaim::derived_key`),
 //! the same on every attempt and every retry of the payment, so the provider deduplicates it; the
@@ -66,7 +67,7 @@ use tower::{ServiceBuilder, ServiceExt};
 use tower_idempotency::{
     IdempotencyClaim, IdempotencyLayer, MemoryStore,
     client::{ClientBody, IdempotencyClient, IdempotencyClientLayer},
-    store::{FenceError, PostgresStore, RedisStore, Store, TieredStore},
+    store::{FenceError, PostgresStore, RecordKey, RedisStore, Store, TieredStore},
 };
 
 #[derive(Debug, Deserialize)]
@@ -173,6 +174,9 @@ impl Provider {
 struct AppState {
     ledger: Ledger,
     provider: Provider,
+    /// Whether the last step stores the answer with the fence (`commit_with_response`) or only
+    /// fences (`commit`), leaving a key whose instance dies after it to the recovery hook.
+    answer_with_fence: bool,
     work: Duration,
     pause_after_intent: Duration,
     pause_after_charge: Duration,
@@ -286,7 +290,7 @@ async fn record_payment(
         .await
         .map_err(|error| problem(StatusCode::BAD_GATEWAY, "provider failed", error))?;
     tokio::time::sleep(state.pause_after_charge).await;
-    let response = record_result(pool, claim, payment).await?;
+    let response = record_result(pool, state, claim, payment).await?;
     // A pause between the commit and the answer, where a crash leaves a committed payment
     // whose response the layer has not stored yet (fault tests use it).
     tokio::time::sleep(state.pause_after_commit).await;
@@ -323,6 +327,7 @@ async fn record_intent(
 /// Step 3: the charge on the payment row, and the answer stored with the fence.
 async fn record_result(
     pool: &PgPool,
+    state: &AppState,
     claim: &IdempotencyClaim,
     payment: &Payment,
 ) -> Result<http::Response<Bytes>, Response> {
@@ -335,12 +340,32 @@ async fn record_result(
         .await
         .map_err(unavailable)?;
     let response = created(payment);
-    claim
-        .commit_with_response(&mut tx, &response)
-        .await
-        .map_err(fence_failed)?;
+    let fenced = if state.answer_with_fence {
+        claim.commit_with_response(&mut tx, &response).await
+    } else {
+        claim.commit(&mut tx).await
+    };
+    fenced.map_err(fence_failed)?;
     tx.commit().await.map_err(unavailable)?;
     Ok(response)
+}
+
+/// The recovery hook: the answer of a key whose last step committed and whose instance died
+/// before the answer was stored, rebuilt from the payment row the step wrote.
+async fn recover(pool: PgPool, record: RecordKey) -> Option<http::Response<Bytes>> {
+    let paid = sqlx::query_as::<_, Payment>(
+        "SELECT * FROM payments WHERE idempotency_key = $1 AND status = 'succeeded'",
+    )
+    .bind(record.key().as_str())
+    .fetch_optional(&pool)
+    .await;
+    match paid {
+        Ok(paid) => paid.as_ref().map(created),
+        Err(error) => {
+            tracing::warn!(%error, "the recovery hook could not read the payments");
+            None
+        }
+    }
 }
 
 fn unavailable(error: sqlx::Error) -> Response {
@@ -527,15 +552,20 @@ async fn main() {
     let state = AppState {
         ledger,
         provider,
+        answer_with_fence: env::var("PAYMENTS_ANSWER_WITH_FENCE").map_or(true, |v| v != "false"),
         work: env_millis("PAYMENTS_WORK_MS", 0),
         pause_after_intent: env_millis("PAYMENTS_PAUSE_AFTER_INTENT_MS", 0),
         pause_after_charge: env_millis("PAYMENTS_PAUSE_AFTER_CHARGE_MS", 0),
         pause_after_commit: env_millis("PAYMENTS_PAUSE_AFTER_COMMIT_MS", 0),
     };
-    let layer = IdempotencyLayer::from_shared_store(store)
+    let mut layer = IdempotencyLayer::from_shared_store(store)
         .with_key_required(true)
         .with_lease(env_millis("IDEMPOTENCY_LEASE_MS", 30_000))
         .with_wait(env_millis("IDEMPOTENCY_WAIT_MS", 10_000));
+    if let Ledger::Postgres(pool) = &state.ledger {
+        let pool = pool.clone();
+        layer = layer.with_recovery(move |record| recover(pool.clone(), record));
+    }
 
     // The layer guards the handler only: a 404 or a 405 never reaches it. Keys are scoped by
     // the caller's credentials (the default): two callers with different `Authorization`

@@ -246,7 +246,8 @@ impl IdempotencyClaim {
 /// releases it (the provider failed, say), its lease ends instead, and the next retry resumes.
 /// Only the request it was first claimed for may resume it; another with the same key gets 422.
 /// Recovery points live in Postgres (alone, or behind Redis); a handler on the memory or Redis
-/// store alone gets [`FenceError::LeaseLost`](crate::store::FenceError::LeaseLost).
+/// store alone gets [`FenceError::NoRecord`](crate::store::FenceError::NoRecord), which says
+/// so.
 #[cfg(feature = "postgres")]
 impl IdempotencyClaim {
     /// How far an earlier attempt of this request got: the recovery point its last finished

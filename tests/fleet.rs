@@ -707,6 +707,7 @@ async fn an_instance_killed_after_the_commit_leaves_the_payment_to_the_retry() {
 /// the answer came, and the provider's calls for the key.
 async fn kill_between_steps(
     pause: &'static str,
+    doomed_env: &[(&'static str, &str)],
     reached: impl AsyncFn(&TestSchema, &MockProvider, &str) -> bool,
 ) -> (Duration, u32) {
     let redis = RedisServer::start().await;
@@ -716,6 +717,11 @@ async fn kill_between_steps(
     let mut env = env(&redis, &schema, &provider, 1000, 0);
     let survivor = Proc::example("payments", &env).await;
     env.push((pause, "30000".into()));
+    env.extend(
+        doomed_env
+            .iter()
+            .map(|&(name, value)| (name, value.to_owned())),
+    );
     let key = format!("resume-{}", uuid::Uuid::new_v4().simple());
     let mut doomed = Proc::example("payments", &env).await;
     let request = tokio::spawn({
@@ -771,16 +777,19 @@ async fn kill_between_steps(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_killed_after_recording_the_intent_is_resumed_by_the_retry() {
     let _serial = SERIAL.lock().await;
-    let (_, calls) =
-        kill_between_steps("PAYMENTS_PAUSE_AFTER_INTENT_MS", async |schema, _, key| {
+    let (_, calls) = kill_between_steps(
+        "PAYMENTS_PAUSE_AFTER_INTENT_MS",
+        &[],
+        async |schema: &TestSchema, _: &MockProvider, key: &str| {
             sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payments WHERE idempotency_key = $1")
                 .bind(key)
                 .fetch_one(&schema.pool)
                 .await
                 .unwrap()
                 == 1
-        })
-        .await;
+        },
+    )
+    .await;
     assert_eq!(calls, 1, "the killed instance never reached the provider");
 }
 
@@ -789,13 +798,41 @@ async fn an_instance_killed_after_the_charge_is_resumed_and_charged_once() {
     let _serial = SERIAL.lock().await;
     let (_, calls) = kill_between_steps(
         "PAYMENTS_PAUSE_AFTER_CHARGE_MS",
-        async |_, provider, key| provider.calls().get(key) == Some(&1),
+        &[],
+        async |_: &TestSchema, provider: &MockProvider, key: &str| {
+            provider.calls().get(key) == Some(&1)
+        },
     )
     .await;
     assert_eq!(
         calls, 2,
         "the retry called the provider again, with the same key"
     );
+}
+
+/// A last step that fences with plain `commit` (no answer stored with it), killed right after
+/// it commits: the retry on another instance gets the payment the recovery hook rebuilds from
+/// the payment row, about a lease and a half after the kill, instead of 24 h of outcome-unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_killed_after_a_plain_commit_is_answered_by_the_recovery_hook() {
+    let _serial = SERIAL.lock().await;
+    let plain = [("PAYMENTS_ANSWER_WITH_FENCE", "false")];
+    let (_, calls) = kill_between_steps(
+        "PAYMENTS_PAUSE_AFTER_COMMIT_MS",
+        &plain,
+        async |schema: &TestSchema, _: &MockProvider, key: &str| {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM payments WHERE idempotency_key = $1 AND status = 'succeeded'",
+            )
+            .bind(key)
+            .fetch_one(&schema.pool)
+            .await
+            .unwrap()
+                == 1
+        },
+    )
+    .await;
+    assert_eq!(calls, 1, "the payment was not made again");
 }
 
 /// A provider that hangs for longer than the lease while duplicates arrive: the payment holds

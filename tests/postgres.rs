@@ -969,6 +969,18 @@ async fn recovery_points_outlive_their_owner_and_resume_only_for_the_same_reques
         point.map(|p| p.name().to_owned()).as_deref(),
         Some("intent_recorded")
     );
+    // A claim of another store (the memory store here) has no row to advance: said so.
+    let elsewhere = tower_idempotency::MemoryStore::new();
+    let foreign = acquire(&elsewhere, &claim_request("k-elsewhere", LONG)).await;
+    let mut tx = schema.pool.begin().await.unwrap();
+    let refused = claim_for(foreign, LONG)
+        .advance(&mut tx, "x", &serde_json::Value::Null)
+        .await;
+    assert!(
+        matches!(refused, Err(FenceError::NoRecord { .. })),
+        "{refused:?}"
+    );
+    drop(tx);
     drop(connection);
     schema.drop().await;
 }

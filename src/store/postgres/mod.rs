@@ -767,13 +767,16 @@ pub(crate) async fn advance(
         .bind(payload.to_string())
         .bind(millis(retention))
         .bind(millis(lease_duration))
-        .fetch_one(connection)
+        .fetch_one(&mut *connection)
         .await
         .map_err(|source| FenceError::Database {
             record: record.clone(),
             source,
         })?;
-    fenced(advanced, lease)
+    if advanced {
+        return Ok(());
+    }
+    Err(refused(connection, lease).await)
 }
 
 /// The key's recovery point, if `lease`'s owner holds it. See
@@ -791,11 +794,11 @@ pub(crate) async fn recovery_point(
         .bind(record.scope())
         .bind(record.key().as_str())
         .bind(lease.owner())
-        .fetch_optional(connection)
+        .fetch_optional(&mut *connection)
         .await
         .map_err(failed)?;
     let Some(row) = row else {
-        return fenced(false, lease).map(|()| None);
+        return Err(refused(connection, lease).await);
     };
     let name: Option<String> = row.try_get("recovery_point").map_err(failed)?;
     let payload: Option<String> = row.try_get("payload").map_err(failed)?;
@@ -806,6 +809,26 @@ pub(crate) async fn recovery_point(
         None => serde_json::Value::Null,
     };
     Ok(name.map(|name| RecoveryPoint { name, payload }))
+}
+
+/// Why an owner-checked statement found no row of `lease`'s owner: another attempt holds the
+/// key, or there is no row for it at all (the layer's store is not Postgres, or the key went).
+async fn refused(connection: &mut PgConnection, lease: &Lease) -> FenceError {
+    let record = lease.record();
+    let exists: Result<bool, _> = sqlx::query_scalar(RECORD_EXISTS)
+        .bind(record.scope())
+        .bind(record.key().as_str())
+        .fetch_one(connection)
+        .await;
+    match exists {
+        Ok(false) => FenceError::NoRecord {
+            record: record.clone(),
+        },
+        Ok(true) | Err(_) => FenceError::LeaseLost {
+            record: record.clone(),
+            fence: lease.fence(),
+        },
+    }
 }
 
 /// `Ok` if the owner-checked statement found the owner, else the fence's refusal.
@@ -832,6 +855,17 @@ pub enum FenceError {
         record: RecordKey,
         /// The fence this request was granted.
         fence: u64,
+    },
+    /// There is no record of the key in `idempotency_keys` (on this connection's
+    /// `search_path`): the layer's store is not Postgres (recovery points need it, alone or
+    /// behind Redis), or the key was released meanwhile.
+    #[error(
+        "no idempotency_keys row for {record} on this connection: is the layer's store Postgres \
+         (alone or behind Redis), with its table on this transaction's search_path?"
+    )]
+    NoRecord {
+        /// The record involved.
+        record: RecordKey,
     },
     /// The fence statement itself failed (the transaction is likely aborted).
     #[error("could not fence {record}")]

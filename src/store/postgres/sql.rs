@@ -160,6 +160,10 @@ SELECT recovery_point, recovery_payload::text AS payload FROM idempotency_keys
 WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
 ";
 
+/// Whether there is a row for a key at all.
+pub(super) const RECORD_EXISTS: &str =
+    "SELECT EXISTS (SELECT 1 FROM idempotency_keys WHERE scope = $1 AND key = $2)";
+
 /// Completes a committed key whose owner died without an answer, with one the application
 /// rebuilt from its own rows: only once its owner's lease and grace have run out.
 pub(super) const ADOPT: &str = r"
