@@ -20,7 +20,7 @@
 //! | `PORT` | listening port on 127.0.0.1 (3000) |
 //! | `IDEMPOTENCY_LEASE_MS` | the claim lease (30000) |
 //! | `IDEMPOTENCY_WAIT_MS` | how long a duplicate waits for the first request (10000) |
-//! | `PAYMENTS_WORK_MS` | simulated work (fraud scoring) before the charge; on Postgres, after the intent is recorded, with no transaction open (0) |
+//! | `PAYMENTS_WORK_MS` | simulated work (fraud scoring) before the payment is recorded, with no transaction open (0) |
 //! | `PAYMENTS_PAUSE_AFTER_INTENT_MS` | on Postgres, a pause after step 1 (the intent) commits (0) |
 //! | `PAYMENTS_PAUSE_AFTER_CHARGE_MS` | on Postgres, a pause after the provider charged, before step 3 (0) |
 //! | `PAYMENTS_PAUSE_AFTER_COMMIT_MS` | a pause after the payment's last transaction commits, before the answer (0) |
@@ -267,6 +267,8 @@ async fn record_payment(
     claim: &IdempotencyClaim,
     payment: &mut Payment,
 ) -> Result<http::Response<Bytes>, Response> {
+    // Fraud scoring, address checks…: before anything is recorded, with nothing held.
+    tokio::time::sleep(state.work).await;
     let mut connection = pool.acquire().await.map_err(unavailable)?;
     let resumed = claim
         .recovery_point(&mut connection)
@@ -282,8 +284,7 @@ async fn record_payment(
         _ => record_intent(pool, claim, payment).await?,
     }
     tokio::time::sleep(state.pause_after_intent).await;
-    // Fraud scoring, address checks…, then the charge: nothing is held meanwhile.
-    tokio::time::sleep(state.work).await;
+    // The charge: no transaction open, nothing locked meanwhile.
     payment.charge_id = state
         .provider
         .charge(claim, payment.amount_cents)

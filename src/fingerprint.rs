@@ -32,6 +32,16 @@ impl Fingerprint {
         hasher.finish()
     }
 
+    /// Digests the payload of a unit of work that is not an HTTP request (a consumed message, a
+    /// scheduled run): SHA-256 over a label that keeps it apart from request fingerprints, and
+    /// the payload.
+    pub fn of_payload(payload: &[u8]) -> Self {
+        let mut digest = Sha256::new();
+        digest.update(b"tower-idempotency unit of work\0");
+        digest.update(payload);
+        Self(digest.finalize().into())
+    }
+
     /// Wraps a digest read back from a store.
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
         Self(bytes)

@@ -167,6 +167,7 @@ pub mod conformance;
 #[cfg(feature = "client")]
 pub mod client;
 mod layer;
+pub mod work;
 mod service;
 mod future;
 mod protocol;

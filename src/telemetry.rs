@@ -270,6 +270,11 @@ impl Telemetry {
         Self { counters, store }
     }
 
+    /// The counters this records to.
+    pub(crate) fn counters(&self) -> Arc<Counters> {
+        Arc::clone(&self.counters)
+    }
+
     /// A guarded request's outcome: `idempotency_requests_total`, and the counter of the
     /// layer's answer it stands for.
     pub(crate) fn answered(&self, outcome: IdempotencyOutcome) {

@@ -48,7 +48,10 @@ pub(super) async fn claim_or_answer<B, E>(
 
 /// One claim call, timed; a key committed without an answer is given the application's, when
 /// it rebuilds one.
-async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+pub(super) async fn claim_once(
+    engine: &Engine,
+    claim: &ClaimRequest,
+) -> Result<ClaimOutcome, StoreError> {
     let store = &engine.settings.store;
     let outcome = engine.telemetry.timed("claim", store.claim(claim)).await;
     match (outcome, &engine.settings.recovery) {

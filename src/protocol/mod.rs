@@ -10,6 +10,7 @@ mod handle;
 mod lease;
 mod read;
 mod wait;
+mod work;
 
 use std::{
     ops::ControlFlow,
@@ -27,6 +28,7 @@ use tokio::{sync::oneshot, time::Instant};
 use tower_service::Service;
 use uuid::Uuid;
 
+pub(crate) use self::work::{Delivered, deliver};
 use self::{
     handle::Handled,
     lease::{Finalized, Keeper, Leases},

@@ -27,6 +27,13 @@ impl Proc {
     /// Starts an example serving on a fresh port, with extra environment, and waits until it
     /// accepts connections.
     pub async fn example(name: &str, env: &[(&str, String)]) -> Self {
+        let proc = Self::worker(name, env);
+        proc.wait_until_listening().await;
+        proc
+    }
+
+    /// An example that serves nothing (a consumer, a scheduled job), started without waiting.
+    pub fn worker(name: &str, env: &[(&str, String)]) -> Self {
         let port = free_port();
         let log = std::env::temp_dir().join(format!("{name}-{port}.log"));
         let out = std::fs::File::create(&log).unwrap();
@@ -54,9 +61,7 @@ impl Proc {
             command.env(key, value);
         }
         let child = command.spawn().unwrap();
-        let proc = Self { child, port, log };
-        proc.wait_until_listening().await;
-        proc
+        Self { child, port, log }
     }
 
     async fn wait_until_listening(&self) {

@@ -1,0 +1,156 @@
+//! Any unit of work under the same engine as a request: claimed, run while its lease is renewed,
+//! its outcome (bytes the caller serialized) stored and given to every later delivery.
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
+use tokio::time::Instant;
+
+use super::{
+    Engine,
+    claim::claim_once,
+    lease::{self, Finalized, Keeper},
+    owner_token,
+    wait::Backoff,
+};
+use crate::{
+    Completion, Fingerprint, IdempotencyClaim, StoredResponse,
+    store::{ClaimOutcome, ClaimRequest, Lease, RecordKey, StoreError},
+};
+
+/// What became of one delivery of a unit of work.
+#[derive(Debug)]
+pub(crate) enum Delivered<E> {
+    /// This delivery ran the work: its outcome, now stored.
+    Executed(Bytes),
+    /// An earlier delivery ran it: the stored outcome.
+    Replayed(Bytes),
+    /// The work failed; the key was released for the next delivery (unless it had committed).
+    Failed(E),
+    /// An earlier delivery committed through the fence and then failed: no outcome to give.
+    CommittedButFailed,
+    /// Another delivery holds the key, still after the wait.
+    InFlight { retry_after: Duration },
+    /// The key was first used with another payload.
+    Mismatch,
+    /// An earlier delivery committed and its process died before storing the outcome.
+    OutcomeUnknown,
+    /// The store could not be reached; the work did not run.
+    Store(StoreError),
+}
+
+/// Claims `record` for this delivery (waiting up to `wait` for one that holds it), runs `work`
+/// with the lease renewed, and stores its outcome; or says why the work did not run here.
+pub(crate) async fn deliver<F, Fut, E>(
+    engine: &Arc<Engine>,
+    record: RecordKey,
+    fingerprint: Fingerprint,
+    wait: Duration,
+    work: F,
+) -> Delivered<E>
+where
+    F: FnOnce(IdempotencyClaim) -> Fut,
+    Fut: Future<Output = Result<Bytes, E>>,
+{
+    let claim = ClaimRequest::new(record, fingerprint, owner_token(), engine.settings.lease);
+    let fence = match claimed(engine, &claim, wait).await {
+        Ok(fence) => fence,
+        Err(delivered) => return delivered,
+    };
+    engine.telemetry.executing();
+    let lease = claim.lease_with_fence(fence);
+    let keeper = Keeper::start(Arc::clone(engine), lease.clone()).await;
+    let settings = &engine.settings;
+    let granted = IdempotencyClaim::granted(
+        lease.clone(),
+        settings.retention,
+        settings.lease,
+        Arc::clone(&settings.store_rules),
+    );
+    let started = Instant::now();
+    let (stored, completion, delivered) = match work(granted).await {
+        Ok(outcome) => (
+            stored(StatusCode::OK, outcome.clone()),
+            Completion::Complete,
+            Delivered::Executed(outcome),
+        ),
+        // Released for the next delivery; a committed key is completed, as a failure.
+        Err(error) => (
+            stored(StatusCode::INTERNAL_SERVER_ERROR, Bytes::new()),
+            Completion::Release,
+            Delivered::Failed(error),
+        ),
+    };
+    engine.telemetry.handler_took(started.elapsed());
+    settle(engine, &lease, &stored, completion, keeper).await;
+    delivered
+}
+
+/// An outcome as the stores keep it: a response with the serialized value as its body.
+fn stored(status: StatusCode, body: Bytes) -> StoredResponse {
+    StoredResponse::new(status, HeaderMap::new(), Some(body), None)
+}
+
+/// Finalizes the key (retrying with it held while the store fails) and wakes this process's
+/// deliveries waiting on it.
+async fn settle(
+    engine: &Engine,
+    lease: &Lease,
+    stored: &StoredResponse,
+    completion: Completion,
+    keeper: Keeper,
+) {
+    let mut finalized = lease::finalize(engine, lease, stored, completion).await;
+    if let Finalized::Failing = finalized {
+        let later = lease::finalize_later(engine, lease, stored, completion, &keeper);
+        finalized = Box::pin(later).await;
+    }
+    drop(keeper);
+    if let Finalized::Done = finalized {
+        engine.state.waiters.wake(lease.record());
+    }
+}
+
+/// The fence of an acquired claim, or what this delivery gets instead of running the work.
+async fn claimed<E>(
+    engine: &Engine,
+    claim: &ClaimRequest,
+    wait: Duration,
+) -> Result<u64, Delivered<E>> {
+    let deadline = Instant::now() + wait;
+    let (prefix, count) = claim.owner().as_u64_pair();
+    let mut backoff = Backoff::new(prefix ^ count.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut watch = None;
+    loop {
+        let retry_after = match claim_once(engine, claim).await {
+            Ok(ClaimOutcome::Acquired { fence }) => return Ok(fence),
+            Ok(ClaimOutcome::Completed { response, .. }) if response.status() == StatusCode::OK => {
+                engine
+                    .telemetry
+                    .answered(crate::IdempotencyOutcome::Replayed);
+                return Err(Delivered::Replayed(
+                    response.body().cloned().unwrap_or_default(),
+                ));
+            }
+            Ok(ClaimOutcome::Completed { .. }) => return Err(Delivered::CommittedButFailed),
+            Ok(ClaimOutcome::Mismatch) => return Err(Delivered::Mismatch),
+            Ok(ClaimOutcome::Orphaned) => return Err(Delivered::OutcomeUnknown),
+            Ok(ClaimOutcome::InFlight { retry_after }) => retry_after,
+            Err(error) => return Err(Delivered::Store(error)),
+        };
+        let now = Instant::now();
+        if now >= deadline {
+            let retry_after = engine.state.durations.retry_after(retry_after);
+            return Err(Delivered::InFlight { retry_after });
+        }
+        let watch = watch.get_or_insert_with(|| {
+            engine.telemetry.waiting();
+            engine.state.waiters.watch(claim.record())
+        });
+        tokio::select! {
+            () = watch.notify().notified() => {}
+            () = tokio::time::sleep(backoff.pause().min(deadline - now)) => {}
+        }
+    }
+}

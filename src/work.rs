@@ -1,0 +1,405 @@
+//! Once across the fleet beyond HTTP: queue consumers, webhook processors and scheduled jobs,
+//! on the same stores and with the same guarantees as the HTTP layer.
+//!
+//! Every broker delivers at least once, and two instances with one cron schedule run it twice.
+//! [`Once`] gives any unit of work what the layer gives a request: the key is claimed (with a
+//! scope and a fingerprint of the payload), the work runs while its lease is renewed, its
+//! outcome (any value serde can serialize) is stored, and a later delivery of the same key gets
+//! that outcome instead of running again. A delivery that meets another still running waits for
+//! it (or is told it is in flight); the same key with another payload is a mismatch. The work
+//! gets an [`IdempotencyClaim`]: with Postgres, its writes are fenced exactly as a handler's
+//! ([`IdempotencyClaim::commit`], [`IdempotencyClaim::advance`]).
+//!
+//! ```no_run
+//! use tower_idempotency::{MemoryStore, work::{Once, Unit}};
+//!
+//! # async fn run(message_id: &str, payload: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
+//! let once = Once::new(MemoryStore::new()); // Postgres (behind Redis) in production
+//! let unit = Unit::new("orders", message_id, payload)?;
+//! let done = once
+//!     .run(unit, |claim| async move {
+//!         // The effect: once per message, whatever the broker redelivers.
+//!         Ok::<_, std::io::Error>(format!("shipped under fence {}", claim.fence()))
+//!     })
+//!     .await?;
+//! println!("{} (replayed: {})", done.value, done.replayed);
+//! // Acknowledge the message now: a redelivery would get the same outcome anyway.
+//! # Ok(()) }
+//! ```
+//!
+//! # Scheduled work
+//!
+//! [`Once::run_slot`] runs a job at most once per schedule slot across the fleet
+//! (`"nightly-cleanup:2026-12-01"`): start it on every instance; one runs it, the others learn
+//! it is running or done. A run that dies is taken over once its lease runs out by the next
+//! instance that tries; its fenced writes (each in a transaction with
+//! [`IdempotencyClaim::advance`], which also records how far it got) never double, and the
+//! taker-over resumes from the recovery point.
+//!
+//! # What differs from HTTP
+//!
+//! No client waits for an answer: a delivery that finds its key in flight waits up to
+//! [`with_wait`](Once::with_wait) (10 s by default) and then gets [`WorkError::InFlight`];
+//! leave the message unacknowledged and let the broker redeliver it. How soon a message is
+//! redelivered (an ack wait, a visibility timeout, `XAUTOCLAIM`'s idle time) is the broker's;
+//! keep it above the lease, or deliveries meet their own key in flight and wait.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use serde::{Serialize, de::DeserializeOwned};
+
+use crate::{
+    Fingerprint, IdempotencyClaim, IdempotencyKey, KeyError,
+    protocol::{Delivered, Engine, State, deliver},
+    settings::Settings,
+    store::{RecordKey, Store, StoreError},
+    telemetry::{Counters, Telemetry},
+};
+
+/// Runs units of work at most once per key across every process sharing its store.
+#[derive(Clone)]
+pub struct Once {
+    engine: Arc<Engine>,
+}
+
+/// One unit of work: its scope, key and payload (the payload's fingerprint tells a redelivery
+/// from a different message reusing the key).
+#[derive(Debug, Clone)]
+pub struct Unit {
+    record: RecordKey,
+    fingerprint: Fingerprint,
+}
+
+impl Unit {
+    /// The unit `key` in `scope` (a queue, a tenant, a job's name), carrying `payload`.
+    pub fn new(scope: impl Into<String>, key: &str, payload: &[u8]) -> Result<Self, KeyError> {
+        let key = IdempotencyKey::try_from(key)?;
+        Ok(Self {
+            record: RecordKey::new(scope, key),
+            fingerprint: Fingerprint::of_payload(payload),
+        })
+    }
+
+    /// The record the unit claims.
+    pub fn record(&self) -> &RecordKey {
+        &self.record
+    }
+}
+
+/// A unit's outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Done<T> {
+    /// What the work returned (this delivery's, or the stored one of an earlier delivery).
+    pub value: T,
+    /// Whether an earlier delivery ran the work and this one got its stored outcome.
+    pub replayed: bool,
+}
+
+/// What [`Once::run_slot`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    /// This instance ran the job for the slot.
+    Ran,
+    /// The job ran for this slot already (here or on another instance).
+    AlreadyRan,
+    /// Another instance is running it now; try again later (it may die and need taking over).
+    RunningElsewhere,
+}
+
+/// Why a unit of work did not give an outcome.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkError<E> {
+    /// The work failed; the key was released, so the next delivery runs it again.
+    #[error("the work failed: {0}")]
+    Failed(E),
+    /// Another delivery is running it, still after the wait: leave the message for the broker
+    /// to redeliver.
+    #[error("another delivery of this unit is running it; retry after {retry_after:?}")]
+    InFlight {
+        /// When the other delivery is likely done.
+        retry_after: Duration,
+    },
+    /// The key was first used with another payload.
+    #[error("this key was first used with another payload")]
+    Mismatch,
+    /// An earlier delivery committed its writes and then died, or failed, before its outcome
+    /// was stored: the work will not run again, and there is no outcome to give.
+    #[error("an earlier delivery committed its writes but left no outcome; it will not run again")]
+    OutcomeUnknown,
+    /// The store could not be reached; the work did not run.
+    #[error("the idempotency store failed; the work did not run")]
+    Store(#[from] StoreError),
+    /// The outcome could not be serialized, or the stored one read back.
+    #[error("the outcome could not be encoded or decoded")]
+    Outcome(#[source] serde_json::Error),
+    /// The unit's key, as [`OnceLayer`]'s function read it from the request, is not a valid key.
+    #[error("invalid idempotency key: {0}")]
+    InvalidKey(#[source] KeyError),
+}
+
+impl Once {
+    /// Units on `store`, with the layer's defaults: a 30 s lease renewed while the work runs,
+    /// 24 h retention of outcomes, a 10 s wait for a delivery in flight.
+    pub fn new(store: impl Store) -> Self {
+        Self::from_shared_store(Arc::new(store))
+    }
+
+    /// Units on a store already shared behind an `Arc` (the one an HTTP layer uses, say).
+    pub fn from_shared_store(store: Arc<dyn Store>) -> Self {
+        Self::with_settings(Settings::new(store))
+    }
+
+    fn with_settings(settings: Settings) -> Self {
+        let telemetry = Telemetry::new(Arc::default(), settings.store.kind());
+        let engine = Engine::new(settings, telemetry, Arc::new(State::default()));
+        Self {
+            engine: Arc::new(engine),
+        }
+    }
+
+    fn change(self, change: impl FnOnce(&mut Settings)) -> Self {
+        let mut settings = self.engine.settings.clone();
+        change(&mut settings);
+        Self::with_settings(settings)
+    }
+
+    /// How long a claim survives its process without renewal (renewed every third of it while
+    /// the work runs); a dead process's units are taken over once it runs out.
+    pub fn with_lease(self, lease: Duration) -> Self {
+        self.change(|s| s.lease = lease)
+    }
+
+    /// How long outcomes are kept for later deliveries.
+    pub fn with_retention(self, retention: Duration) -> Self {
+        self.change(|s| s.retention = retention)
+    }
+
+    /// How long a delivery that finds its key in flight waits for the other one.
+    pub fn with_wait(self, wait: Duration) -> Self {
+        self.change(|s| s.wait = wait)
+    }
+
+    /// The counters of the units run through this value (and its clones).
+    pub fn counters(&self) -> Arc<Counters> {
+        self.engine.telemetry.counters()
+    }
+
+    /// Runs `work` for `unit` unless an earlier delivery did: this delivery's outcome, or the
+    /// stored one. `work` gets the unit's claim (to fence its writes); its error releases the
+    /// key for the next delivery (unless it committed through the fence).
+    pub async fn run<T, E, F, Fut>(&self, unit: Unit, work: F) -> Result<Done<T>, WorkError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(IdempotencyClaim) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let wait = self.engine.settings.wait;
+        self.run_waiting(unit, wait, work).await
+    }
+
+    async fn run_waiting<T, E, F, Fut>(
+        &self,
+        unit: Unit,
+        wait: Duration,
+        work: F,
+    ) -> Result<Done<T>, WorkError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(IdempotencyClaim) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let encoded = async |claim| -> Result<Bytes, Encoded<E>> {
+            let value = work(claim).await.map_err(Encoded::Work)?;
+            serde_json::to_vec(&value)
+                .map(Bytes::from)
+                .map_err(Encoded::Json)
+        };
+        let decode = |bytes: Bytes, replayed| {
+            let value = serde_json::from_slice(&bytes).map_err(WorkError::Outcome)?;
+            Ok(Done { value, replayed })
+        };
+        match deliver(&self.engine, unit.record, unit.fingerprint, wait, encoded).await {
+            Delivered::Executed(bytes) => decode(bytes, false),
+            Delivered::Replayed(bytes) => decode(bytes, true),
+            Delivered::Failed(Encoded::Work(error)) => Err(WorkError::Failed(error)),
+            Delivered::Failed(Encoded::Json(error)) => Err(WorkError::Outcome(error)),
+            Delivered::CommittedButFailed | Delivered::OutcomeUnknown => {
+                Err(WorkError::OutcomeUnknown)
+            }
+            Delivered::InFlight { retry_after } => Err(WorkError::InFlight { retry_after }),
+            Delivered::Mismatch => Err(WorkError::Mismatch),
+            Delivered::Store(error) => Err(WorkError::Store(error)),
+        }
+    }
+
+    /// Runs `job` for `slot` (say `"nightly-cleanup:2026-12-01"`) unless it ran already or
+    /// runs elsewhere now, without waiting: call it on every instance, and again while the
+    /// slot lasts, so that a run that died is taken over once its lease runs out. `job` gets
+    /// the slot's claim: fence each write with [`IdempotencyClaim::advance`] (which records how
+    /// far the run got, for the one that takes over) or [`IdempotencyClaim::commit`].
+    pub async fn run_slot<E, F, Fut>(&self, slot: &str, job: F) -> Result<Slot, WorkError<E>>
+    where
+        F: FnOnce(IdempotencyClaim) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+    {
+        let unit = Unit::new("schedule", slot, b"").map_err(|_| WorkError::Mismatch)?;
+        match self.run_waiting(unit, Duration::ZERO, job).await {
+            Ok(Done {
+                replayed: false, ..
+            }) => Ok(Slot::Ran),
+            Ok(Done { replayed: true, .. }) => Ok(Slot::AlreadyRan),
+            Err(WorkError::InFlight { .. }) => Ok(Slot::RunningElsewhere),
+            Err(error) => Err(error),
+        }
+    }
+}
+
+tokio::task_local! {
+    /// The claim of the unit an [`OnceService`] is running, for the inner service to fence with.
+    static CLAIM: IdempotencyClaim;
+}
+
+/// The claim of the unit of work this task runs under an [`OnceLayer`]: fence the service's
+/// writes with it (`current_claim().unwrap().commit(&mut tx)`). `None` outside one.
+pub fn current_claim() -> Option<IdempotencyClaim> {
+    CLAIM.try_with(IdempotencyClaim::clone).ok()
+}
+
+/// Applies [`OnceService`] to any `Service<Request>`: each request is a unit of work whose
+/// scope, key and payload `unit` reads from it (a job's id and arguments, a message's id and
+/// body), so job frameworks built on tower and hand-written consumer loops get the same
+/// guarantees as [`Once::run`]. The inner service's response is the outcome (serde), and it
+/// finds the unit's claim with [`current_claim`].
+///
+/// ```
+/// use tower_idempotency::{MemoryStore, work::{Once, OnceLayer, Unit}};
+///
+/// struct Job { id: String, args: Vec<u8> }
+///
+/// let layer = OnceLayer::new(Once::new(MemoryStore::new()), |job: &Job| {
+///     Unit::new("emails", &job.id, &job.args)
+/// });
+/// let service = tower::ServiceBuilder::new()
+///     .layer(layer)
+///     .service_fn(|job: Job| async move { Ok::<_, std::io::Error>(job.args.len()) });
+/// ```
+pub struct OnceLayer<U> {
+    once: Once,
+    unit: Arc<U>,
+}
+
+impl<U> OnceLayer<U> {
+    /// Units of `once`, read from each request by `unit`.
+    pub fn new(once: Once, unit: U) -> Self {
+        Self {
+            once,
+            unit: Arc::new(unit),
+        }
+    }
+}
+
+impl<U> Clone for OnceLayer<U> {
+    fn clone(&self) -> Self {
+        Self {
+            once: self.once.clone(),
+            unit: Arc::clone(&self.unit),
+        }
+    }
+}
+
+impl<U> fmt::Debug for OnceLayer<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OnceLayer")
+            .field("once", &self.once)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, U> tower_layer::Layer<S> for OnceLayer<U> {
+    type Service = OnceService<S, U>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        OnceService {
+            inner,
+            once: self.once.clone(),
+            unit: Arc::clone(&self.unit),
+        }
+    }
+}
+
+/// Middleware that runs each request as a unit of work, at most once per key across the fleet.
+/// Built by [`OnceLayer`]; its response is the [`Done`] outcome.
+pub struct OnceService<S, U> {
+    inner: S,
+    once: Once,
+    unit: Arc<U>,
+}
+
+impl<S: Clone, U> Clone for OnceService<S, U> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            once: self.once.clone(),
+            unit: Arc::clone(&self.unit),
+        }
+    }
+}
+
+impl<S: fmt::Debug, U> fmt::Debug for OnceService<S, U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OnceService")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, U, Req> tower_service::Service<Req> for OnceService<S, U>
+where
+    S: tower_service::Service<Req> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Response: Serialize + DeserializeOwned + Send,
+    S::Error: Send,
+    U: Fn(&Req) -> Result<Unit, KeyError> + Send + Sync + 'static,
+    Req: Send + 'static,
+{
+    type Response = Done<S::Response>;
+    type Error = WorkError<S::Error>;
+    type Future = crate::store::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(WorkError::Failed)
+    }
+
+    fn call(&mut self, request: Req) -> Self::Future {
+        let unit = (self.unit)(&request);
+        // The service driven to readiness is the one called; a clone stays here.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let once = self.once.clone();
+        Box::pin(async move {
+            let unit = unit.map_err(WorkError::InvalidKey)?;
+            let work = |claim: IdempotencyClaim| CLAIM.scope(claim, inner.call(request));
+            once.run(unit, work).await
+        })
+    }
+}
+
+/// The work's outcome on its way to the store.
+enum Encoded<E> {
+    Work(E),
+    Json(serde_json::Error),
+}
+
+impl fmt::Debug for Once {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Once")
+            .field("settings", &self.engine.settings)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,374 @@
+//! Units of work beyond HTTP: `Once::run` and `Once::run_slot` in process, and real processes
+//! consuming one Redis stream (a consumer group that redelivers) and running one schedule,
+//! killed mid-work. Effects are counted in Postgres, where they are written.
+
+mod support;
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering::SeqCst},
+    },
+    time::{Duration, Instant},
+};
+
+use support::{Proc, RedisServer, TestSchema, database_url, url_in_schema};
+use tower_idempotency::{
+    MemoryStore,
+    work::{Once, Slot, Unit, WorkError},
+};
+
+fn unit(key: &str, payload: &str) -> Unit {
+    Unit::new("orders", key, payload.as_bytes()).unwrap()
+}
+
+#[tokio::test]
+async fn a_unit_runs_once_and_later_deliveries_get_its_outcome() {
+    let once = Once::new(MemoryStore::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let work = || {
+        let runs = Arc::clone(&runs);
+        move |claim: tower_idempotency::IdempotencyClaim| async move {
+            let run = runs.fetch_add(1, SeqCst) + 1;
+            Ok::<_, std::io::Error>((run, claim.fence()))
+        }
+    };
+    let first = once.run(unit("o-1", "{}"), work()).await.unwrap();
+    let again = once.run(unit("o-1", "{}"), work()).await.unwrap();
+    assert!(!first.replayed);
+    assert!(again.replayed);
+    assert_eq!(again.value, first.value, "the stored outcome, as it was");
+    assert_eq!(runs.load(SeqCst), 1);
+    // Another payload under the key: a mismatch, not a run.
+    let other = once.run(unit("o-1", r#"{"other":1}"#), work()).await;
+    assert!(matches!(other, Err(WorkError::Mismatch)), "{other:?}");
+    assert_eq!(runs.load(SeqCst), 1);
+}
+
+/// The same through a tower layer, for job frameworks and consumer loops built on services: the
+/// unit is read from the request, the inner service finds the claim, its response is stored.
+#[tokio::test]
+async fn a_service_behind_the_once_layer_runs_each_job_once() {
+    use tower::{ServiceBuilder, ServiceExt};
+    use tower_idempotency::work::{OnceLayer, current_claim};
+
+    struct Job {
+        id: &'static str,
+        args: &'static str,
+    }
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = OnceLayer::new(Once::new(MemoryStore::new()), |job: &Job| {
+        Unit::new("emails", job.id, job.args.as_bytes())
+    });
+    let service = ServiceBuilder::new().layer(layer).service_fn({
+        let runs = Arc::clone(&runs);
+        move |job: Job| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let claim = current_claim().expect("the unit's claim, for the fence");
+                runs.fetch_add(1, SeqCst);
+                Ok::<_, std::io::Error>(format!("sent {} (fence {})", job.args, claim.fence()))
+            }
+        }
+    });
+    let job = || Job {
+        id: "job-1",
+        args: "welcome",
+    };
+    let first = service.clone().oneshot(job()).await.unwrap();
+    let again = service.clone().oneshot(job()).await.unwrap();
+    assert!(!first.replayed && again.replayed);
+    assert_eq!(again.value, first.value);
+    assert_eq!(runs.load(SeqCst), 1);
+    let reused = service
+        .clone()
+        .oneshot(Job {
+            id: "job-1",
+            args: "other",
+        })
+        .await;
+    assert!(matches!(reused, Err(WorkError::Mismatch)));
+    let bad = service.oneshot(Job { id: "", args: "x" }).await;
+    assert!(matches!(bad, Err(WorkError::InvalidKey(_))));
+    assert!(current_claim().is_none(), "only inside a unit");
+}
+
+#[tokio::test]
+async fn a_failed_unit_is_released_for_the_next_delivery() {
+    let once = Once::new(MemoryStore::new());
+    let failed = once
+        .run(unit("o-2", "{}"), |_| async {
+            Err::<u32, _>("provider down")
+        })
+        .await;
+    assert!(
+        matches!(failed, Err(WorkError::Failed("provider down"))),
+        "{failed:?}"
+    );
+    let ran = once
+        .run(unit("o-2", "{}"), |_| async { Ok::<_, &str>(7) })
+        .await
+        .unwrap();
+    assert_eq!((ran.value, ran.replayed), (7, false));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_deliveries_run_once_and_share_the_outcome() {
+    let once = Once::new(MemoryStore::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut deliveries = Vec::new();
+    for _ in 0..5 {
+        let (once, runs) = (once.clone(), Arc::clone(&runs));
+        deliveries.push(tokio::spawn(async move {
+            once.run(unit("o-3", "{}"), |_| async move {
+                runs.fetch_add(1, SeqCst);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                Ok::<_, std::io::Error>("shipped".to_owned())
+            })
+            .await
+            .unwrap()
+        }));
+    }
+    let mut replayed = 0;
+    for delivery in deliveries {
+        let done = delivery.await.unwrap();
+        assert_eq!(done.value, "shipped");
+        replayed += usize::from(done.replayed);
+    }
+    assert_eq!(runs.load(SeqCst), 1);
+    assert_eq!(
+        replayed, 4,
+        "the others waited for the first and got its outcome"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_runs_once_however_many_instances_start_it() {
+    let once = Once::new(MemoryStore::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut starts = Vec::new();
+    for _ in 0..4 {
+        let (once, runs) = (once.clone(), Arc::clone(&runs));
+        starts.push(tokio::spawn(async move {
+            once.run_slot("cleanup:2026-12-01", |_| async move {
+                runs.fetch_add(1, SeqCst);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                Ok::<_, std::io::Error>(())
+            })
+            .await
+            .unwrap()
+        }));
+    }
+    let mut found = HashMap::new();
+    for start in starts {
+        *found
+            .entry(format!("{:?}", start.await.unwrap()))
+            .or_insert(0) += 1;
+    }
+    assert_eq!(found.get("Ran"), Some(&1), "{found:?}");
+    assert_eq!(found.get("RunningElsewhere"), Some(&3), "{found:?}");
+    let later = once
+        .run_slot("cleanup:2026-12-01", |_| async {
+            Ok::<_, std::io::Error>(())
+        })
+        .await;
+    assert_eq!(later.unwrap(), Slot::AlreadyRan);
+    assert_eq!(runs.load(SeqCst), 1);
+}
+
+/// Redis Streams redelivers a message another consumer holds for `CLAIM_IDLE_MS` (`XAUTOCLAIM`):
+/// here shorter than the work, so deliveries are taken over mid-work by live consumers, and one
+/// consumer is killed (SIGKILL) mid-run. Every order ships once (fenced), all are acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumers_that_die_or_stall_ship_each_order_once() {
+    let schema = TestSchema::new().await;
+    let redis = RedisServer::start().await;
+    let stream = format!("orders-{}", uuid::Uuid::new_v4().simple());
+    let env = [
+        ("REDIS_URL", redis.url()),
+        ("DATABASE_URL", url_in_schema(&database_url(), &schema.name)),
+        ("STREAM", stream.clone()),
+        ("WORK_MS", "600".into()),
+        ("CLAIM_IDLE_MS", "300".into()),
+        ("IDEMPOTENCY_LEASE_MS", "1000".into()),
+        ("RUST_LOG", "info".into()),
+    ];
+    let mut consumers: Vec<Proc> = (0..3)
+        .map(|_| Proc::worker("stream_consumer", &env))
+        .collect();
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let orders = 12;
+    for n in 0..orders {
+        let _: String = redis::cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("order_id")
+            .arg(format!("order-{n}"))
+            .arg("payload")
+            .arg(format!(r#"{{"sku":"item-{n}"}}"#))
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+    }
+    let shipped = |schema: &TestSchema| {
+        let pool = schema.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM shipments")
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(0)
+        }
+    };
+    let started = Instant::now();
+    while shipped(&schema).await < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "nothing shipped"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    consumers[0].child.kill().unwrap();
+    // Until every order shipped and the group has nothing pending.
+    loop {
+        let pending: (i64, redis::Value, redis::Value, redis::Value) = redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg("shipping")
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        let distinct: i64 = sqlx::query_scalar("SELECT count(DISTINCT order_id) FROM shipments")
+            .fetch_one(&schema.pool)
+            .await
+            .unwrap();
+        if distinct == orders && pending.0 == 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{distinct} shipped, {} pending",
+            pending.0
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT order_id, count(*) FROM shipments GROUP BY order_id")
+            .fetch_all(&schema.pool)
+            .await
+            .unwrap();
+    assert_eq!(rows.len() as i64, orders);
+    assert!(
+        rows.iter().all(|(_, n)| *n == 1),
+        "an order shipped twice: {rows:?}"
+    );
+    let logs: String = consumers.iter().map(Proc::log).collect();
+    let taken_over = logs.matches("took over pending messages").count();
+    let replayed = logs.matches("replayed=true").count();
+    assert!(taken_over > 0, "no message was redelivered:\n{logs}");
+    println!(
+        "{orders} orders, 3 consumers (one killed), redelivery after 300 ms of 600 ms work: \
+         {taken_over} takeovers, {replayed} deliveries answered with the stored outcome, every order shipped once"
+    );
+    drop(consumers);
+    schema.drop().await;
+}
+
+/// The same schedule started on four instances: one run per slot; the instance running it is
+/// killed (SIGKILL) mid-way, another takes it over after the lease and resumes, and no step is
+/// written twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schedule_on_four_instances_runs_once_and_a_killed_run_is_taken_over() {
+    let schema = TestSchema::new().await;
+    let slot = format!("nightly-cleanup:{}", uuid::Uuid::new_v4().simple());
+    let steps = 6;
+    let env = [
+        ("DATABASE_URL", url_in_schema(&database_url(), &schema.name)),
+        ("SLOT", slot.clone()),
+        ("STEPS", steps.to_string()),
+        ("STEP_MS", "250".into()),
+        ("TRY_EVERY_MS", "100".into()),
+        ("IDEMPOTENCY_LEASE_MS", "1000".into()),
+        ("RUST_LOG", "info".into()),
+    ];
+    let mut instances: Vec<Proc> = (0..4)
+        .map(|_| Proc::worker("scheduled_job", &env))
+        .collect();
+    let started = Instant::now();
+    let first_writer = loop {
+        let writer: Option<String> = sqlx::query_scalar(
+            "SELECT instance FROM job_steps WHERE slot = $1 GROUP BY instance HAVING count(*) >= 2",
+        )
+        .bind(&slot)
+        .fetch_optional(&schema.pool)
+        .await
+        .unwrap_or(None);
+        if let Some(writer) = writer {
+            break writer;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the job never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let doomed = instances
+        .iter()
+        .position(|i| first_writer == format!("instance-{}", i.child.id()))
+        .expect("the writer is one of the instances");
+    instances[doomed].child.kill().unwrap();
+    let killed_at = Instant::now();
+    // Every other instance learns the job ran, and exits.
+    for (n, instance) in instances.iter_mut().enumerate() {
+        if n == doomed {
+            continue;
+        }
+        loop {
+            if let Some(status) = instance.child.try_wait().unwrap() {
+                assert!(status.success(), "{}", instance.log());
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "{}",
+                instance.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let rows: Vec<(i64, String)> =
+        sqlx::query_as("SELECT step, instance FROM job_steps WHERE slot = $1 ORDER BY step")
+            .bind(&slot)
+            .fetch_all(&schema.pool)
+            .await
+            .unwrap();
+    let written: Vec<i64> = rows.iter().map(|(step, _)| *step).collect();
+    assert_eq!(
+        written,
+        (0..steps).collect::<Vec<_>>(),
+        "each step once, in order: {rows:?}"
+    );
+    let writers: std::collections::BTreeSet<&str> = rows.iter().map(|(_, i)| i.as_str()).collect();
+    assert_eq!(
+        writers.len(),
+        2,
+        "the killed run and the one that took over: {rows:?}"
+    );
+    let logs: String = instances.iter().map(Proc::log).collect();
+    assert_eq!(
+        logs.matches("ran the job").count(),
+        1,
+        "one run finished the slot:\n{logs}"
+    );
+    assert_eq!(
+        logs.matches("taking over a run that stopped").count(),
+        1,
+        "{logs}"
+    );
+    println!(
+        "4 instances, one slot of {steps} steps; the runner killed after 2 steps, the job finished \
+         {:?} after the kill by one other instance; every step written once",
+        killed_at.elapsed()
+    );
+    schema.drop().await;
+}
