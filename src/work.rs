@@ -221,7 +221,15 @@ impl Once {
             let value = serde_json::from_slice(&bytes).map_err(WorkError::Outcome)?;
             Ok(Done { value, replayed })
         };
-        match deliver(&self.engine, unit.record, unit.fingerprint, wait, encoded).await {
+        // A span per delivery, as per guarded request: key and scope as pseudonyms.
+        let settings = &self.engine.settings;
+        let span = tracing::info_span!(
+            "idempotency_unit",
+            key = %settings.shown(unit.record.key().as_str()),
+            scope = %settings.shown(unit.record.scope()),
+        );
+        let delivered = deliver(&self.engine, unit.record, unit.fingerprint, wait, encoded);
+        match tracing::Instrument::instrument(delivered, span).await {
             Delivered::Executed(bytes) => decode(bytes, false),
             Delivered::Replayed(bytes) => decode(bytes, true),
             Delivered::Failed(Encoded::Work(error)) => Err(WorkError::Failed(error)),
