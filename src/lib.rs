@@ -122,8 +122,9 @@
 //! - Guarded request bodies are buffered in memory (1 MiB by default), and so are response
 //!   bodies up to the cache limit (1 MiB by default); larger responses stream through but are
 //!   stored without their body. Request trailers are not forwarded on guarded requests.
-//! - Guarded requests need a Tokio runtime (`tokio::spawn`). Renewals run in a task of their own;
-//!   on a current-thread runtime, a handler that blocks the thread blocks them too.
+//! - Guarded requests need a Tokio runtime (`tokio::spawn`). Renewals run on a thread of the
+//!   process's own, through connections of their own ([`Store::detached`](store::Store::detached)),
+//!   so a handler that blocks every worker of the application's runtime keeps its key.
 //!
 //! # Features
 //!

@@ -261,3 +261,97 @@ async fn a_live_owner_holding_its_fence_past_the_lease_is_never_reported_dead() 
     assert_eq!(state.runs.load(SeqCst), 1);
     schema.drop().await;
 }
+
+/// A handler that blocks the only thread of its runtime (a current-thread runtime, where the
+/// renewals used to run too) for longer than the lease keeps its key: a retry on another
+/// instance waits for its answer instead of running it a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_blocks_the_only_thread_of_its_runtime_keeps_its_key() {
+    let schema = TestSchema::new().await;
+    let postgres = PostgresStore::new(schema.pool.clone());
+    blocks_the_only_thread("Postgres", move || Arc::new(postgres.clone())).await;
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_blocks_the_only_thread_of_its_runtime_keeps_its_key_behind_redis() {
+    let schema = TestSchema::new().await;
+    let redis = support::RedisServer::start().await;
+    let (postgres, url) = (PostgresStore::new(schema.pool.clone()), redis.url());
+    blocks_the_only_thread("Redis in front of Postgres", move || {
+        let redis = tower_idempotency::store::RedisStore::open(&url).unwrap();
+        Arc::new(tower_idempotency::store::TieredStore::new(
+            redis,
+            postgres.clone(),
+        ))
+    })
+    .await;
+    schema.drop().await;
+}
+
+/// Instance A on a current-thread runtime of its own, whose handler blocks that thread for 2 s;
+/// instance B retries each key past A's lease. Counts the second executions.
+async fn blocks_the_only_thread(
+    stores: &str,
+    store: impl Fn() -> Arc<dyn tower_idempotency::store::Store>,
+) {
+    let lease = Duration::from_millis(800);
+    let effects = Effects::default();
+    let app = |effects: Effects| {
+        Router::new()
+            .route(
+                "/payments",
+                post(
+                    |State(effects): State<Effects>, claim: IdempotencyClaim| async move {
+                        // Synchronous work that holds the runtime's only thread for 2 s.
+                        std::thread::sleep(Duration::from_secs(2));
+                        let count = effects.add(claim.key().as_str());
+                        (StatusCode::CREATED, format!("effect {count}"))
+                    },
+                ),
+            )
+            .layer(IdempotencyLayer::from_shared_store(store()).with_lease(lease))
+            .with_state(effects)
+    };
+    // Instance A: a current-thread runtime of its own, serving over TCP.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let url = format!("http://{}/payments", listener.local_addr().unwrap());
+    let instance_a = app(effects.clone());
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            axum::serve(listener, instance_a).await.unwrap();
+        });
+    });
+    // Instance B: on this runtime, a layer of its own on the same store.
+    let instance_b = app(effects.clone());
+    let keys = 3;
+    let mut second_runs = 0;
+    for i in 0..keys {
+        let key = format!("only-thread-{i}-{}", uuid::Uuid::new_v4().simple());
+        let first = tokio::spawn({
+            let (url, key) = (url.clone(), key.clone());
+            async move {
+                let headers = [("idempotency-key", key.as_str())];
+                support::send(http::Method::POST, &url, &headers, "").await
+            }
+        });
+        // Past the lease while A's only thread is blocked.
+        tokio::time::sleep(lease + Duration::from_millis(400)).await;
+        let retry = call(&instance_b, post_key(&key)).await;
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        second_runs += effects.of(&key) - 1;
+    }
+    println!(
+        "{stores}: a handler blocking its runtime's only thread for 2 s (lease 800 ms): {keys} \
+         keys, second executions {second_runs}"
+    );
+    assert_eq!(second_runs, 0);
+}

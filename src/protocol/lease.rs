@@ -1,7 +1,7 @@
 //! Holding a claimed key: renewing its lease from a task of its own, and finalizing it.
 
 use std::{
-    sync::{Arc, Mutex, PoisonError, atomic::Ordering::Relaxed},
+    sync::{Arc, LazyLock, Mutex, PoisonError, atomic::Ordering::Relaxed},
     time::Duration,
 };
 
@@ -19,10 +19,9 @@ const BUSY_RETRY: Duration = Duration::from_millis(20);
 
 /// The leases a layer's requests hold, renewed by one task of the layer's own.
 ///
-/// A task of its own, not a branch of the handler's: a handler that blocks its worker thread
-/// (synchronous I/O, a long computation) would block its own renewals too, and lose its key while
-/// it still runs. On a multi-thread runtime another worker renews; a current-thread runtime has
-/// no other worker, so there a blocking handler still loses its lease.
+/// A task of the process's own renewal thread, not of the application's runtime: a handler that
+/// blocks its worker threads (synchronous I/O, a long computation), every one of them or the
+/// only one, would otherwise block its own renewals too, and lose its key while it still runs.
 ///
 /// One task for all of them, not one per request: a request shorter than a third of its lease
 /// (most are) costs an entry in a map and nothing else. The task sleeps until the next renewal
@@ -63,7 +62,7 @@ static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::
 
 impl Keeper {
     /// Starts renewing `lease` every third of the layer's lease length.
-    pub(crate) async fn start(engine: Arc<Engine>, lease: Lease) -> Self {
+    pub(crate) fn start(engine: Arc<Engine>, lease: Lease) -> Self {
         let held = Held {
             lease,
             length: engine.settings.lease,
@@ -71,7 +70,7 @@ impl Keeper {
             lost: false,
             generation: GENERATION.fetch_add(1, Relaxed),
         };
-        let (slot, spawned) = {
+        let slot = {
             let mut state = engine.state.leases.lock();
             let slot = match state.free.pop() {
                 Some(slot) => {
@@ -85,17 +84,11 @@ impl Keeper {
             };
             let running = state.keeper.as_ref().is_some_and(|k| !k.is_finished());
             if !running {
-                state.keeper = Some(tokio::spawn(keep(Arc::clone(&engine))));
+                state.keeper = Some(renewer().spawn(keep(Arc::clone(&engine))));
             }
-            (slot, !running)
+            slot
         };
         crate::telemetry::claims_held(1.0);
-        if spawned {
-            // A task just spawned waits in its worker's LIFO slot, which no other worker
-            // steals: yield, so that it runs (and arms its timer) before a handler that blocks
-            // this worker starts.
-            tokio::task::yield_now().await;
-        }
         Self { engine, slot }
     }
 
@@ -120,6 +113,28 @@ impl Leases {
     fn lock(&self) -> std::sync::MutexGuard<'_, LeasesState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// The runtime renewals run on: a thread of the process's own, with a current-thread runtime,
+/// so that handlers that block every worker of the application's runtime (or its only one)
+/// never stop their own renewals. Renewals use the store's detached twin
+/// ([`Store::detached`](crate::store::Store::detached)), whose connections are made, and
+/// driven, here. One thread per process, started with the first lease.
+fn renewer() -> &'static tokio::runtime::Handle {
+    static RENEWER: LazyLock<tokio::runtime::Handle> = LazyLock::new(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .thread_name("idempotency-renewals")
+            .build()
+            .expect("the renewal runtime builds");
+        let handle = runtime.handle().clone();
+        std::thread::Builder::new()
+            .name("idempotency-renewals".into())
+            .spawn(move || runtime.block_on(std::future::pending::<()>()))
+            .expect("the renewal thread starts");
+        handle
+    });
+    &RENEWER
 }
 
 /// Renewals every third of the lease; never zero, which would spin.
@@ -176,7 +191,7 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
             .is_some_and(|h| h.generation == generation)
     };
     let next = loop {
-        let renewed = engine.settings.store.renew(&lease, length);
+        let renewed = engine.renewal_store().renew(&lease, length);
         match engine.telemetry.timed("renew", renewed).await {
             Ok(Ownership::Held) => break Some(period(length)),
             Ok(Ownership::Busy) => {

@@ -40,7 +40,7 @@ use crate::{
     grpc,
     problem::Rejection,
     settings::Settings,
-    store::{BoxError, ClaimRequest, Lease, RecordKey},
+    store::{BoxError, ClaimRequest, Lease, RecordKey, Store},
     telemetry::Telemetry,
 };
 
@@ -60,7 +60,7 @@ pub(crate) struct Engine {
 }
 
 /// The live state of one layer's requests, shared by every service it builds.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct State {
     /// Requests waiting for a duplicate of theirs to finish.
     waiters: Waiters,
@@ -70,6 +70,18 @@ pub(crate) struct State {
     durations: Durations,
     /// Whether the warning about a timeout layer inside this one was logged.
     warned_inner_timeout: AtomicBool,
+    /// The store renewals go through: the store's detached twin, made with the first lease.
+    renewals: std::sync::OnceLock<Arc<dyn Store>>,
+}
+
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State")
+            .field("waiters", &self.waiters)
+            .field("leases", &self.leases)
+            .field("durations", &self.durations)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Engine {
@@ -91,6 +103,15 @@ impl Engine {
         self.settings
             .answers
             .respond(&self.telemetry, rejection, key, grpc)
+    }
+
+    /// The store renewals go through (see [`Store::detached`]).
+    fn renewal_store(&self) -> &dyn Store {
+        let store = &self.settings.store;
+        &**self
+            .state
+            .renewals
+            .get_or_init(|| store.detached().unwrap_or_else(|| Arc::clone(store)))
     }
 
     /// Reports what the layer did with a request on its answer.
@@ -128,7 +149,7 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     let Some((lease, body, reply)) = admitted else {
         return;
     };
-    let keeper = Keeper::start(Arc::clone(&engine), lease.clone()).await;
+    let keeper = Keeper::start(Arc::clone(&engine), lease.clone());
     let handled = execute(&engine, inner, parts, body, &lease, reply, grpc).await;
     settle(&engine, &lease, handled, keeper).await;
 }

@@ -60,7 +60,7 @@ where
     };
     engine.telemetry.executing();
     let lease = claim.lease_with_fence(fence);
-    let keeper = Keeper::start(Arc::clone(engine), lease.clone()).await;
+    let keeper = Keeper::start(Arc::clone(engine), lease.clone());
     let settings = &engine.settings;
     let granted = IdempotencyClaim::granted(
         lease.clone(),

@@ -167,6 +167,15 @@ pub trait Store: Send + Sync + 'static {
         })
     }
 
+    /// The same store with connections of its own, made on first use, for the calls the layer
+    /// makes from a thread of its own (lease renewals): a connection made on the application's
+    /// runtime is driven by that runtime, and stalls with it when its handlers block every
+    /// worker. `None` (the default) for a store that does no I/O, or cannot: renewals then use
+    /// the store itself.
+    fn detached(&self) -> Option<Arc<dyn Store>> {
+        None
+    }
+
     /// Checks the servers the store runs on for the settings that break its guarantees (an
     /// evicting Redis, Postgres migrations behind the crate's, …), for an operator or an app at
     /// start-up: a finding per check, never an error (a server that cannot be reached is a
@@ -235,6 +244,10 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         retention: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         (**self).adopt(request, response, retention)
+    }
+
+    fn detached(&self) -> Option<Arc<dyn Store>> {
+        (**self).detached()
     }
 
     fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {

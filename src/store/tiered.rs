@@ -1,7 +1,10 @@
 //! A fast store in front of an authoritative one: Redis in front of Postgres.
 
 use std::{
-    sync::atomic::{AtomicU64, Ordering},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -256,6 +259,13 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
 
     fn kind(&self) -> &'static str {
         "tiered"
+    }
+
+    /// Both tiers detached, when both can be (Redis and Postgres can); otherwise the store
+    /// itself.
+    fn detached(&self) -> Option<Arc<dyn Store>> {
+        let (front, authority) = (self.front.detached()?, self.authority.detached()?);
+        Some(Arc::new(TieredStore::new(front, authority)))
     }
 
     /// The authority's: it is the one that knows the key was committed.

@@ -145,6 +145,10 @@ pub struct PostgresStore {
     sweep_batch: i64,
 }
 
+/// The connections of a store detached for renewals ([`Store::detached`]): renewals are short,
+/// and one per held lease every third of a lease.
+const RENEWAL_CONNECTIONS: usize = 4;
+
 /// Claims race only when a competing claim commits between two statements; after this many
 /// rounds the key is reported in flight.
 const CLAIM_ROUNDS: usize = 4;
@@ -607,6 +611,17 @@ impl Store for PostgresStore {
                 .await?;
             Ok(adopted.rows_affected() == 1)
         })
+    }
+
+    /// Connections of its own (at most 4, made on first use), on the same pool options.
+    fn detached(&self) -> Option<Arc<dyn Store>> {
+        let options = self.pool.connect_options();
+        let connections = Connections::new(&options, RENEWAL_CONNECTIONS, self.timeout);
+        Some(Arc::new(Self {
+            connections: Arc::new(connections),
+            max_connections: RENEWAL_CONNECTIONS,
+            ..self.clone()
+        }))
     }
 
     fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {

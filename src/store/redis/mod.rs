@@ -433,6 +433,11 @@ impl Store for RedisStore {
         "redis"
     }
 
+    /// A connection (or a cluster connection) of its own, made on first use.
+    fn detached(&self) -> Option<Arc<dyn Store>> {
+        Some(Arc::new(self.clone().with_timeout(self.timeout)))
+    }
+
     fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
         Box::pin(self.diagnosis())
     }
