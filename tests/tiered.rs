@@ -269,3 +269,44 @@ async fn completed_keys_replay_from_redis_while_postgres_is_down_breaker_or_not(
         ClaimOutcome::Acquired { .. }
     ));
 }
+
+/// A record left in Redis by an attempt whose release failed, for another request with the key:
+/// the front's "mismatch" is confirmed with Postgres, which has no row, so the request runs
+/// (it was refused 422 for up to a lease).
+#[tokio::test]
+async fn a_stale_front_record_of_another_request_does_not_refuse_this_one() {
+    let server = RedisServer::start().await;
+    let schema = TestSchema::new().await;
+    let redis = RedisStore::open(&server.url()).unwrap();
+    let store = TieredStore::new(redis.clone(), PostgresStore::new(schema.pool.clone()));
+    // The stale record: another request's claim, in Redis only.
+    let other = tower_idempotency::conformance::claim_request(
+        "tenant",
+        "k-stale",
+        "other",
+        Duration::from_secs(30),
+    );
+    acquire(&redis, &other).await;
+    let outcome = store.claim(&request("k-stale")).await.unwrap();
+    assert!(
+        matches!(outcome, ClaimOutcome::Acquired { .. }),
+        "{outcome:?}"
+    );
+    // A real mismatch is still one: Postgres says so.
+    let lease = acquire(&store, &request("k-real")).await;
+    assert_eq!(
+        store
+            .complete(&lease, &created(), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Ownership::Held
+    );
+    let reused = tower_idempotency::conformance::claim_request(
+        "tenant",
+        "k-real",
+        "other",
+        Duration::from_secs(30),
+    );
+    assert_eq!(store.claim(&reused).await.unwrap(), ClaimOutcome::Mismatch);
+    schema.drop().await;
+}

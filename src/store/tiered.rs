@@ -168,12 +168,11 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
                 match self.front_result("claim", self.front.claim(request).await) {
                     Some(ClaimOutcome::Acquired { fence }) => Some(request.lease_with_fence(fence)),
                     // A final answer the front holds: replays cost one round trip.
-                    Some(answer @ (ClaimOutcome::Completed { .. } | ClaimOutcome::Mismatch)) => {
-                        return Ok(answer);
-                    }
-                    // "In flight" is confirmed with the authority: the front may hold a claim
-                    // that arrived late (a frozen Redis running a queued script) for a key the
-                    // authority has completed.
+                    Some(answer @ ClaimOutcome::Completed { .. }) => return Ok(answer),
+                    // "In flight" and "mismatch" are confirmed with the authority: the front may
+                    // hold a claim that arrived late (a frozen Redis running a queued script) for
+                    // a key the authority has completed, or a stale record (its release failed)
+                    // of another request for a key the authority does not have.
                     Some(_) | None => None,
                 }
             } else {
