@@ -1065,3 +1065,62 @@ async fn the_recovery_hook_answers_a_key_committed_without_an_answer() {
     assert_eq!(runs.load(SeqCst), 0, "the handler never ran again");
     schema.drop().await;
 }
+
+/// Postgres terminates the store's connections (as a restart or a failover does) and answers
+/// again at once: the next claims all succeed. A connection that failed with "terminating
+/// connection due to administrator command" was taken back as still usable (a database error),
+/// failed again with EOF, and most of the next new keys got 503.
+#[tokio::test]
+async fn terminated_connections_are_never_lent_again_and_claims_go_on() {
+    let schema = TestSchema::new().await;
+    let application = format!("terminated-{}", Uuid::new_v4().simple());
+    let options = schema_options(&database_url(), &schema.name).application_name(&application);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool.clone());
+    // Idle connections of the store's own, several of them.
+    let warm: Vec<_> = (0..8)
+        .map(|k| claim_request(&format!("warm-{k}"), LONG))
+        .collect();
+    let claims = warm.iter().map(|request| store.claim(request));
+    for outcome in futures_util::future::join_all(claims).await {
+        assert!(
+            matches!(outcome, Ok(ClaimOutcome::Acquired { .. })),
+            "{outcome:?}"
+        );
+    }
+    let terminated: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+    )
+    .bind(&application)
+    .fetch_all(&schema.pool)
+    .await
+    .unwrap();
+    assert!(
+        terminated.len() >= 2,
+        "the store's connections: {terminated:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut failed = 0;
+    for k in 0..16 {
+        match store
+            .claim(&claim_request(&format!("after-{k}"), LONG))
+            .await
+        {
+            Ok(ClaimOutcome::Acquired { .. }) => {}
+            other => {
+                failed += 1;
+                println!("after-{k}: {other:?}");
+            }
+        }
+    }
+    assert_eq!(
+        failed, 0,
+        "claims failed after the connections were terminated"
+    );
+    pool.close().await;
+    schema.drop().await;
+}

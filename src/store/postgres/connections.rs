@@ -64,13 +64,14 @@ impl Connections {
             .acquire()
             .await
             .expect("the semaphore is never closed");
-        let connection = match self.take_idle().await {
-            Some(connection) => connection,
-            None => PgConnection::connect_with(&self.options).await?,
+        let (connection, reused) = match self.take_idle().await {
+            Some(connection) => (connection, true),
+            None => (PgConnection::connect_with(&self.options).await?, false),
         };
         Ok(Lent {
             connections: self,
             connection: Some(connection),
+            reused,
             _permit: permit,
         })
     }
@@ -94,19 +95,30 @@ impl Connections {
 pub(super) struct Lent<'a> {
     connections: &'a Connections,
     connection: Option<PgConnection>,
+    /// Whether it idled before: the server may have closed it meanwhile.
+    reused: bool,
     _permit: SemaphorePermit<'a>,
 }
 
 impl Lent<'_> {
-    /// Returns the connection for reuse, if it is still in step after `result`.
-    pub(super) fn give_back<T>(mut self, result: &Result<T, sqlx::Error>) {
+    /// Returns the connection for reuse, if it is still in step after `result`. `true` when the
+    /// statement failed because a reused connection was gone (the server restarted, failed over
+    /// or terminated it): it is worth running again on a fresh one. The other idle connections
+    /// likely went the same way, and are dropped too.
+    pub(super) fn give_back<T>(mut self, result: &Result<T, sqlx::Error>) -> bool {
         let in_step = match result {
             Ok(_) => true,
             Err(error) => in_step(error),
         };
-        if let (true, Some(connection)) = (in_step, self.connection.take()) {
-            self.connections.lock().push((connection, Instant::now()));
+        match (in_step, self.connection.take()) {
+            (true, Some(connection)) => self.connections.lock().push((connection, Instant::now())),
+            (false, _) if self.reused => {
+                self.connections.lock().clear();
+                return true;
+            }
+            _ => {}
         }
+        false
     }
 }
 
@@ -125,7 +137,15 @@ impl std::ops::DerefMut for Lent<'_> {
 }
 
 /// Whether a connection is still in step with the server after this error: a database error
-/// (the statement failed; the session goes on) leaves it so, anything else may not.
+/// (the statement failed; the session goes on) leaves it so, except the ones that end the
+/// session (class 57P: the server is shutting down, or an administrator terminated it; class
+/// 08: the connection failed); anything else may not.
 fn in_step(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Database(_) | sqlx::Error::RowNotFound)
+    match error {
+        sqlx::Error::Database(error) => !error
+            .code()
+            .is_some_and(|code| code.starts_with("57P") || code.starts_with("08")),
+        sqlx::Error::RowNotFound => true,
+        _ => false,
+    }
 }

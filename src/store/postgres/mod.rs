@@ -284,6 +284,11 @@ impl PostgresStore {
 
     /// Runs one statement on a connection of the store's own, under the timeout (getting the
     /// connection included); the connection goes back unless the statement left it out of step.
+    ///
+    /// A statement that fails because its connection was gone (the server restarted, failed
+    /// over or terminated it) fails; the connections that idled with it are dropped, so the
+    /// caller's retry (the layer retries renewals and finalizes) gets a fresh one. Claims,
+    /// which a client waits on, retry at once ([`claim_once`](Self::claim_once)).
     async fn on_connection<T>(
         &self,
         statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
@@ -333,7 +338,10 @@ impl PostgresStore {
             .bind(millis(left))
             .fetch_optional(&mut *connection)
             .await;
-        connection.give_back(&row);
+        if connection.give_back(&row) {
+            // The connection was gone: another round, on a fresh one.
+            return Ok(None);
+        }
         let row = row.map_err(|e| self.failed(e))?;
         let Some(row) = row else {
             // A competing claim committed after this statement's snapshot (or the statement ran
@@ -353,7 +361,9 @@ impl PostgresStore {
     async fn settle(&self, request: &ClaimRequest) -> Result<Option<ClaimOutcome>, StoreError> {
         let mut connection = self.connections.lend().await.map_err(backend)?;
         let settled = settle(&mut connection, request).await;
-        connection.give_back(&settled);
+        if connection.give_back(&settled) {
+            return Ok(None);
+        }
         settled.map_err(|e| self.failed(e))
     }
 
