@@ -53,10 +53,10 @@ async fn main() {
         .expect("Postgres");
     let store = PostgresStore::new(pool.clone());
     store.migrate().await.expect("migrations");
-    sqlx::query(
+    create_table(
+        &pool,
         "CREATE TABLE IF NOT EXISTS job_steps (slot text NOT NULL, step bigint NOT NULL, instance text NOT NULL)",
     )
-    .execute(&pool)
     .await
     .expect("the job_steps table");
     let once = Once::new(store).with_lease(Duration::from_millis(number(
@@ -77,6 +77,17 @@ async fn main() {
         }
         tokio::time::sleep(try_every).await;
     }
+}
+
+/// Creates the example's table. Instances starting together would race on `CREATE TABLE IF NOT
+/// EXISTS`; an advisory lock lets one at a time in.
+async fn create_table(pool: &PgPool, ddl: &'static str) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('tower-idempotency examples'))")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(ddl).execute(&mut *tx).await?;
+    tx.commit().await
 }
 
 /// The job: its steps from where the slot's last run stopped, each step's row and the recovery

@@ -66,13 +66,20 @@ async fn main() {
         .expect("Postgres");
     let store = PostgresStore::new(pool.clone());
     store.migrate().await.expect("migrations");
+    // Consumers starting together would race on `CREATE TABLE IF NOT EXISTS`: one at a time.
+    let mut tx = pool.begin().await.expect("Postgres");
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('tower-idempotency examples'))")
+        .execute(&mut *tx)
+        .await
+        .expect("the advisory lock");
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS shipments (
              order_id text NOT NULL, consumer text NOT NULL, shipped_at timestamptz DEFAULT now())",
     )
-    .execute(&pool)
+    .execute(&mut *tx)
     .await
     .expect("the shipments table");
+    tx.commit().await.expect("the shipments table");
     let once = Once::new(store).with_lease(millis("IDEMPOTENCY_LEASE_MS", 30_000));
 
     let client = redis::Client::open(env::var("REDIS_URL").expect("REDIS_URL")).expect("REDIS_URL");

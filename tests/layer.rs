@@ -784,10 +784,12 @@ async fn a_stalled_owner_loses_its_lease_and_its_finalize_changes_nothing() {
 
     probe.release_gate();
     let stale = first.await.unwrap();
+    // The stale owner's caller gets the key's answer (the retry's), never its own.
+    assert_eq!(stale.status, StatusCode::CREATED);
+    assert!(stale.replayed(), "{stale:?}");
     assert_eq!(
-        stale.status,
-        StatusCode::CREATED,
-        "the stale owner's caller still gets its answer"
+        stale.body, retry.body,
+        "the superseded attempt answered for the key"
     );
     assert_eq!(stalled_layer.counters().snapshot().leases_lost, 1);
 

@@ -235,9 +235,13 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
 }
 
 /// How a finalize ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Finalized {
-    /// The key is completed or released (or, for a stale owner, left to its new owner).
+    /// The key is completed or released.
     Done,
+    /// Another attempt holds (or finished) the key: this one wrote nothing, and its answer is
+    /// not the key's.
+    Superseded,
     /// The store kept failing: the caller may be answered, and the write retried while the key
     /// stays held.
     Failing,
@@ -254,7 +258,7 @@ pub(crate) async fn finalize(
     let mut delay = Duration::from_millis(50);
     for attempt in 1..=QUICK_ATTEMPTS {
         match finalize_once(engine, lease, response, completion).await {
-            Ok(()) => return Finalized::Done,
+            Ok(finalized) => return finalized,
             Err(error) => {
                 tracing::warn!(
                     attempt,
@@ -291,9 +295,9 @@ pub(crate) async fn finalize_later(
         tokio::time::sleep(delay.min(deadline - Instant::now())).await;
         delay = (delay * 2).min(Duration::from_secs(5));
         match finalize_once(engine, lease, response, completion).await {
-            Ok(()) => {
+            Ok(finalized) => {
                 tracing::info!("finalized after store failures");
-                return Finalized::Done;
+                return finalized;
             }
             Err(error) => {
                 tracing::warn!(
@@ -313,7 +317,7 @@ async fn finalize_once(
     lease: &Lease,
     response: &StoredResponse,
     completion: Completion,
-) -> Result<(), StoreError> {
+) -> Result<Finalized, StoreError> {
     let (settings, telemetry) = (&engine.settings, &engine.telemetry);
     let store = &settings.store;
     let complete = || {
@@ -329,7 +333,7 @@ async fn finalize_once(
             Ownership::Held => {
                 telemetry.finalized(false);
                 tracing::debug!("key released");
-                return Ok(());
+                return Ok(Finalized::Done);
             }
             other => other,
         },
@@ -338,11 +342,12 @@ async fn finalize_once(
         Ownership::Held => {
             telemetry.finalized(true);
             tracing::debug!(status = response.status().as_u16(), "key completed");
+            Ok(Finalized::Done)
         }
         _ => {
             engine.telemetry.lease_lost();
             tracing::warn!(owner = %lease.owner(), fence = lease.fence(), "lease lost before finalizing: nothing stored (another attempt holds the key)");
+            Ok(Finalized::Superseded)
         }
     }
-    Ok(())
 }

@@ -146,16 +146,32 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     let grpc = grpc::is_grpc(request.headers());
     let (parts, body) = request.into_parts();
     let admitted = admit(&engine, record, &parts, body, grpc, reply).await;
-    let Some((lease, body, reply)) = admitted else {
+    let Some((claim, lease, body, reply)) = admitted else {
         return;
     };
     let keeper = Keeper::start(Arc::clone(&engine), lease.clone());
-    let handled = execute(&engine, inner, parts, body, &lease, reply, grpc).await;
-    settle(&engine, &lease, handled, keeper).await;
+    let (handled, headers) = execute(&engine, inner, parts, body, &lease, reply, grpc).await;
+    let attempt = Attempt {
+        claim: &claim,
+        lease: &lease,
+        headers: &headers,
+        grpc,
+    };
+    settle(&engine, attempt, handled, keeper).await;
 }
 
-/// Reads the body and claims the key: the lease, the body to run the handler with and the
-/// caller to answer, or `None` once the caller has been answered instead (or has gone).
+/// The claim a request ran its handler under.
+struct Attempt<'a> {
+    claim: &'a ClaimRequest,
+    lease: &'a Lease,
+    /// The request's headers (a replay must agree with them on `Vary`).
+    headers: &'a HeaderMap,
+    grpc: bool,
+}
+
+/// Reads the body and claims the key: the claim and its lease, the body to run the handler
+/// with and the caller to answer, or `None` once the caller has been answered instead (or has
+/// gone).
 async fn admit<B, ResBody, E>(
     engine: &Engine,
     record: Arc<RecordKey>,
@@ -163,7 +179,7 @@ async fn admit<B, ResBody, E>(
     body: B,
     grpc: bool,
     mut reply: Caller<ResBody, E>,
-) -> Option<(Lease, Bytes, Caller<ResBody, E>)>
+) -> Option<(ClaimRequest, Lease, Bytes, Caller<ResBody, E>)>
 where
     B: Body,
     B::Error: Into<BoxError>,
@@ -185,7 +201,7 @@ where
             let lease = claim.lease_with_fence(fence);
             tracing::Span::current().record("fence", fence);
             tracing::debug!(owner = %lease.owner(), "claimed; running handler");
-            Some((lease, body, reply))
+            Some((claim, lease, body, reply))
         }
         ControlFlow::Break(answer) => {
             if let Some(answer) = answer {
@@ -196,7 +212,8 @@ where
     }
 }
 
-/// Runs the handler on the buffered request, with its claim in the extensions.
+/// Runs the handler on the buffered request, with its claim in the extensions; what it left, and
+/// the request's headers.
 async fn execute<S, ReqBody, ResBody>(
     engine: &Engine,
     inner: S,
@@ -205,7 +222,7 @@ async fn execute<S, ReqBody, ResBody>(
     lease: &Lease,
     reply: Caller<ResBody, S::Error>,
     grpc: bool,
-) -> Handled<ResBody, S::Error>
+) -> (Handled<ResBody, S::Error>, HeaderMap)
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     ResBody: Body,
@@ -227,21 +244,35 @@ where
     let took = started.elapsed();
     engine.state.durations.record(took);
     engine.telemetry.handler_took(took);
-    handled
+    (handled, request_headers)
 }
 
 /// Finalizes the key, then answers the caller (if the response was not streamed already), then
 /// keeps finalizing with the key held if the store fails, and wakes this process's duplicates.
-async fn settle<B, E>(engine: &Engine, lease: &Lease, handled: Handled<B, E>, keeper: Keeper) {
+async fn settle<B, E>(
+    engine: &Engine,
+    attempt: Attempt<'_>,
+    handled: Handled<B, E>,
+    keeper: Keeper,
+) {
     let Outcome {
         response,
         completion,
     } = handled.outcome;
+    let lease = attempt.lease;
     let mut finalized = lease::finalize(engine, lease, &response, completion).await;
     // Answered only now, so that a caller who has its answer finds the key final: a retry sent
     // the moment it arrives is replayed (or runs again, if released), never refused as in
     // flight. If the store keeps failing, the caller is answered anyway and the write goes on
-    // with the key held.
+    // with the key held. An attempt another took over does not answer for the key: its caller
+    // gets the key's outcome, as a duplicate would.
+    if finalized == Finalized::Superseded {
+        drop(keeper);
+        if let Some((reply, _own)) = handled.answer {
+            Box::pin(answer_superseded(engine, &attempt, reply)).await;
+        }
+        return;
+    }
     if let Some((reply, answer)) = handled.answer {
         let _ = reply.send(answer);
     }
@@ -253,6 +284,32 @@ async fn settle<B, E>(engine: &Engine, lease: &Lease, handled: Handled<B, E>, ke
     if let Finalized::Done = finalized {
         engine.state.waiters.wake(lease.record());
     }
+}
+
+/// The key's outcome, for the caller of an attempt that another took over (its lease ran out
+/// while it ran): waited for as a duplicate waits, never the superseded handler's own answer.
+async fn answer_superseded<B, E>(engine: &Engine, attempt: &Attempt<'_>, mut reply: Caller<B, E>) {
+    tracing::info!("another attempt took the key over: answering with the key's outcome");
+    let settings = &engine.settings;
+    let (record, fingerprint) = (attempt.claim.record(), *attempt.claim.fingerprint());
+    let again = ClaimRequest::new(record.clone(), fingerprint, owner_token(), settings.lease);
+    let wait = wait_budget(settings, attempt.headers);
+    let grpc = attempt.grpc;
+    let claimed = claim::claim_or_answer(engine, &again, attempt.headers, wait, grpc, &mut reply);
+    let answer = match claimed.await {
+        ControlFlow::Break(Some(answer)) => answer,
+        ControlFlow::Break(None) => return,
+        // The key is free again (the other attempt released it): nothing to replay. Give it
+        // back, and tell the caller to come again; its retry runs cleanly.
+        ControlFlow::Continue(fence) => {
+            let _ = settings.store.release(&again.lease_with_fence(fence)).await;
+            let rejection = Rejection::InFlight {
+                retry_after: Duration::from_secs(1),
+            };
+            engine.respond(rejection, Some(record.key()), grpc)
+        }
+    };
+    let _ = reply.send(Ok(answer));
 }
 
 /// A fresh owner token, unique across the fleet without a system call per request: 64 random
