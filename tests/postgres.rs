@@ -353,24 +353,7 @@ async fn an_orphaned_key_answers_outcome_unknown_through_the_layer() {
         .layer(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_millis(100)));
 
     // An earlier attempt of this request claimed and committed, then its instance died.
-    let parts = Request::post("/x").body(()).unwrap().into_parts().0;
-    let dead = ClaimRequest::new(
-        RecordKey::new(
-            tower_idempotency::scope::ANONYMOUS_SCOPE,
-            IdempotencyKey::try_from("k-dead").unwrap(),
-        ),
-        Fingerprint::of_request(&parts, &[], b""),
-        Uuid::new_v4(),
-        Duration::from_millis(100),
-    );
-    let lease = acquire(&store, &dead).await;
-    let mut tx = schema.pool.begin().await.unwrap();
-    claim_for(lease, dead.lease())
-        .commit(&mut tx)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    committed_then_died(&store, &schema, "k-dead").await;
 
     let request = Request::post("/x")
         .header("idempotency-key", "k-dead")
@@ -1026,24 +1009,7 @@ async fn the_recovery_hook_answers_a_key_committed_without_an_answer() {
         .layer(layer);
 
     // An earlier attempt committed with plain `commit`, then its instance died.
-    let parts = Request::post("/x").body(()).unwrap().into_parts().0;
-    let dead = ClaimRequest::new(
-        RecordKey::new(
-            tower_idempotency::scope::ANONYMOUS_SCOPE,
-            IdempotencyKey::try_from("k-recovered").unwrap(),
-        ),
-        Fingerprint::of_request(&parts, &[], b""),
-        Uuid::new_v4(),
-        Duration::from_millis(100),
-    );
-    let lease = acquire(&store, &dead).await;
-    let mut tx = schema.pool.begin().await.unwrap();
-    claim_for(lease, dead.lease())
-        .commit(&mut tx)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    committed_then_died(&store, &schema, "k-recovered").await;
 
     let send = || {
         app.clone().oneshot(
@@ -1122,4 +1088,27 @@ async fn terminated_connections_are_never_lent_again_and_claims_go_on() {
     );
     pool.close().await;
     schema.drop().await;
+}
+
+/// A `POST /x` with no body and `key`, claimed and committed with plain `commit` by an owner that
+/// then died: its lease (100 ms) and grace are over when this returns.
+async fn committed_then_died(store: &PostgresStore, schema: &TestSchema, key: &str) {
+    let parts = Request::post("/x").body(()).unwrap().into_parts().0;
+    let dead = ClaimRequest::new(
+        RecordKey::new(
+            tower_idempotency::scope::ANONYMOUS_SCOPE,
+            IdempotencyKey::try_from(key).unwrap(),
+        ),
+        Fingerprint::of_request(&parts, &[], b""),
+        Uuid::new_v4(),
+        Duration::from_millis(100),
+    );
+    let lease = acquire(store, &dead).await;
+    let mut tx = schema.pool.begin().await.unwrap();
+    claim_for(lease, dead.lease())
+        .commit(&mut tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
 }

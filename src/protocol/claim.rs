@@ -3,6 +3,7 @@
 
 use std::{ops::ControlFlow, time::Duration};
 
+use futures_util::FutureExt;
 use http::{HeaderMap, Response};
 use tokio::time::Instant;
 
@@ -113,35 +114,58 @@ async fn wait_for_the_first<B, E>(
     wait: Duration,
     grpc: bool,
     reply: &mut Caller<B, E>,
-    mut outcome: Result<ClaimOutcome, StoreError>,
+    outcome: Result<ClaimOutcome, StoreError>,
 ) -> Answered<B> {
+    match while_in_flight(engine, claim, outcome, wait, reply.closed()).await {
+        None => ControlFlow::Break(None),
+        Some(Ok(ClaimOutcome::InFlight { retry_after })) => {
+            let rejection = Rejection::InFlight { retry_after };
+            let key = Some(claim.record().key());
+            ControlFlow::Break(Some(engine.respond(rejection, key, grpc)))
+        }
+        Some(other) => answer(engine, claim.record(), request_headers, other, grpc),
+    }
+}
+
+/// Claims again while another attempt holds the key, up to `wait`: the first outcome that is
+/// not "in flight", or "in flight" with a `Retry-After` drawn from recent durations once the
+/// wait is over; `None` if `gone` (the caller leaving) resolved first.
+///
+/// A holder in this process wakes its waiters when it finalizes; one elsewhere in the fleet is
+/// noticed by polling the store, after 10 ms, then twice as long each time up to 200 ms.
+pub(super) async fn while_in_flight(
+    engine: &Engine,
+    claim: &ClaimRequest,
+    mut outcome: Result<ClaimOutcome, StoreError>,
+    wait: Duration,
+    gone: impl Future<Output = ()>,
+) -> Option<Result<ClaimOutcome, StoreError>> {
     let deadline = Instant::now() + wait;
     let mut watch = None;
     let (prefix, count) = claim.owner().as_u64_pair();
     let mut backoff = Backoff::new(prefix ^ count.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut gone = std::pin::pin!(gone);
     loop {
-        let lease_left = match outcome {
-            Ok(ClaimOutcome::InFlight { retry_after }) => retry_after,
-            other => return answer(engine, claim.record(), request_headers, other, grpc),
+        let Ok(ClaimOutcome::InFlight { retry_after }) = outcome else {
+            return Some(outcome);
         };
-        if reply.is_closed() {
-            return ControlFlow::Break(None);
+        if (&mut gone).now_or_never().is_some() {
+            return None;
         }
         let now = Instant::now();
         if now >= deadline {
-            let retry_after = engine.state.durations.retry_after(lease_left);
-            let rejection = Rejection::InFlight { retry_after };
-            let key = Some(claim.record().key());
-            return ControlFlow::Break(Some(engine.respond(rejection, key, grpc)));
+            let retry_after = engine.state.durations.retry_after(retry_after);
+            return Some(Ok(ClaimOutcome::InFlight { retry_after }));
         }
         let watch = watch.get_or_insert_with(|| {
             engine.telemetry.waiting();
             engine.state.waiters.watch(claim.record())
         });
         tokio::select! {
+            biased;
+            () = &mut gone => return None,
             () = watch.notify().notified() => {}
             () = tokio::time::sleep(backoff.pause().min(deadline - now)) => {}
-            () = reply.closed() => return ControlFlow::Break(None),
         }
         outcome = claim_once(engine, claim).await;
     }

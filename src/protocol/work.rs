@@ -9,10 +9,9 @@ use tokio::time::Instant;
 
 use super::{
     Engine,
-    claim::claim_once,
+    claim::{claim_once, while_in_flight},
     lease::{self, Finalized, Keeper},
     owner_token,
-    wait::Backoff,
 };
 use crate::{
     Completion, Fingerprint, IdempotencyClaim, StoredResponse,
@@ -118,39 +117,23 @@ async fn claimed<E>(
     claim: &ClaimRequest,
     wait: Duration,
 ) -> Result<u64, Delivered<E>> {
-    let deadline = Instant::now() + wait;
-    let (prefix, count) = claim.owner().as_u64_pair();
-    let mut backoff = Backoff::new(prefix ^ count.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    let mut watch = None;
-    loop {
-        let retry_after = match claim_once(engine, claim).await {
-            Ok(ClaimOutcome::Acquired { fence }) => return Ok(fence),
-            Ok(ClaimOutcome::Completed { response, .. }) if response.status() == StatusCode::OK => {
-                engine
-                    .telemetry
-                    .answered(crate::IdempotencyOutcome::Replayed);
-                return Err(Delivered::Replayed(
-                    response.body().cloned().unwrap_or_default(),
-                ));
-            }
-            Ok(ClaimOutcome::Completed { .. }) => return Err(Delivered::CommittedButFailed),
-            Ok(ClaimOutcome::Mismatch) => return Err(Delivered::Mismatch),
-            Ok(ClaimOutcome::Orphaned) => return Err(Delivered::OutcomeUnknown),
-            Ok(ClaimOutcome::InFlight { retry_after }) => retry_after,
-            Err(error) => return Err(Delivered::Store(error)),
-        };
-        let now = Instant::now();
-        if now >= deadline {
-            let retry_after = engine.state.durations.retry_after(retry_after);
-            return Err(Delivered::InFlight { retry_after });
+    let first = claim_once(engine, claim).await;
+    // No caller to leave: a delivery waits out its whole wait.
+    let waited = while_in_flight(engine, claim, first, wait, std::future::pending()).await;
+    match waited.expect("a pending future never resolves") {
+        Ok(ClaimOutcome::Acquired { fence }) => Ok(fence),
+        Ok(ClaimOutcome::Completed { response, .. }) if response.status() == StatusCode::OK => {
+            engine
+                .telemetry
+                .answered(crate::IdempotencyOutcome::Replayed);
+            Err(Delivered::Replayed(
+                response.body().cloned().unwrap_or_default(),
+            ))
         }
-        let watch = watch.get_or_insert_with(|| {
-            engine.telemetry.waiting();
-            engine.state.waiters.watch(claim.record())
-        });
-        tokio::select! {
-            () = watch.notify().notified() => {}
-            () = tokio::time::sleep(backoff.pause().min(deadline - now)) => {}
-        }
+        Ok(ClaimOutcome::Completed { .. }) => Err(Delivered::CommittedButFailed),
+        Ok(ClaimOutcome::Mismatch) => Err(Delivered::Mismatch),
+        Ok(ClaimOutcome::Orphaned) => Err(Delivered::OutcomeUnknown),
+        Ok(ClaimOutcome::InFlight { retry_after }) => Err(Delivered::InFlight { retry_after }),
+        Err(error) => Err(Delivered::Store(error)),
     }
 }
