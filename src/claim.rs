@@ -15,7 +15,7 @@ use crate::{IdempotencyKey, response::StoreRules, store::Lease};
 ///
 /// With the `axum` feature it is an extractor; without it, read it with
 /// `request.extensions().get::<IdempotencyClaim>()`.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct IdempotencyClaim {
     lease: Lease,
     retention: Duration,
@@ -23,6 +23,21 @@ pub struct IdempotencyClaim {
     /// How `commit_with_response` stores a response, as the layer would.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     rules: Arc<StoreRules>,
+    /// The request's headers, for the ones a response stored with the fence varies on
+    /// (`Vary`), as the layer stores them.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    request_headers: Arc<http::HeaderMap>,
+}
+
+/// Without the request's headers: they may carry credentials.
+impl std::fmt::Debug for IdempotencyClaim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyClaim")
+            .field("lease", &self.lease)
+            .field("retention", &self.retention)
+            .field("lease_duration", &self.lease_duration)
+            .finish_non_exhaustive()
+    }
 }
 
 impl IdempotencyClaim {
@@ -35,6 +50,7 @@ impl IdempotencyClaim {
             retention,
             lease_duration: crate::DEFAULT_LEASE,
             rules: Arc::default(),
+            request_headers: Arc::default(),
         }
     }
 
@@ -48,15 +64,16 @@ impl IdempotencyClaim {
     /// The claim the layer hands to a handler.
     pub(crate) fn granted(
         lease: Lease,
-        retention: Duration,
-        lease_duration: Duration,
+        (retention, lease_duration): (Duration, Duration),
         rules: Arc<StoreRules>,
+        request_headers: Arc<http::HeaderMap>,
     ) -> Self {
         Self {
             lease,
             retention,
             lease_duration,
             rules,
+            request_headers,
         }
     }
 
@@ -166,8 +183,10 @@ impl IdempotencyClaim {
     /// The fence, and the answer with it: like [`commit`](Self::commit), and stores `response`
     /// (what the handler is about to return) in the same transaction. If this instance dies
     /// after the transaction commits, retries are answered with `response` at once, instead of
-    /// `outcome-unknown`; once the handler returns, the layer stores what it actually returned.
-    /// Return the same response, so that every retry sees one answer.
+    /// `outcome-unknown`; and it is the key's one answer from then on: retries arriving before
+    /// the handler returns get it too, and the layer's completion keeps it. Return the same
+    /// response. It is stored as the layer stores any response, with the request's values of
+    /// the headers it varies on (`Vary`).
     ///
     /// ```no_run
     /// # use axum::{body::Body, response::Response};
@@ -194,7 +213,14 @@ impl IdempotencyClaim {
         response: &http::Response<bytes::Bytes>,
     ) -> Result<(), crate::store::FenceError> {
         let times = (self.retention, self.lease_duration);
-        let stored = self.rules.record(response);
+        // Stored as the layer stores the response the handler returns: the same copy, so
+        // a retry meets one answer whichever of the two it finds.
+        let varied =
+            crate::headers::varied_request_headers(response.headers(), &self.request_headers);
+        let stored = self
+            .rules
+            .record(response)
+            .with_varied_request_headers(varied);
         crate::store::commit(connection, &self.lease, times, Some(&stored)).await
     }
 }

@@ -1112,3 +1112,60 @@ async fn committed_then_died(store: &PostgresStore, schema: &TestSchema, key: &s
     tx.commit().await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
 }
+
+/// One key, one stored answer: a response stored with the fence that varies on a request
+/// header (`Vary`) is stored as the layer stores it, with the request's value of that header, so
+/// a retry that meets it (here before the handler even returned) is replayed, not refused 406;
+/// and the layer's completion keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_stored_with_the_fence_is_the_one_every_retry_gets() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone());
+    let pool = schema.pool.clone();
+    let handler = move |claim: IdempotencyClaim| {
+        let pool = pool.clone();
+        async move {
+            let response = http::Response::builder()
+                .status(StatusCode::CREATED)
+                .header("vary", "accept-language")
+                .header("content-language", "fr")
+                .body(bytes::Bytes::from_static(b"paiement"))
+                .unwrap();
+            let mut tx = pool.begin().await.unwrap();
+            claim
+                .commit_with_response(&mut tx, &response)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            // The answer is stored; the handler is still busy.
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            response.map(Body::from)
+        }
+    };
+    let app = Router::new()
+        .route("/pay", post(handler))
+        .layer(IdempotencyLayer::new(store.clone()));
+    let request = || {
+        Request::post("/pay")
+            .header("idempotency-key", "k-vary")
+            .header("accept-language", "fr")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let first = tokio::spawn(app.clone().oneshot(request()));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let early = app.clone().oneshot(request()).await.unwrap();
+    assert_eq!(
+        early.status(),
+        StatusCode::CREATED,
+        "the answer stored with the fence"
+    );
+    assert_eq!(early.headers()["idempotent-replayed"], "true");
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let late = app.clone().oneshot(request()).await.unwrap();
+    assert_eq!(late.status(), StatusCode::CREATED);
+    let body = late.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "paiement");
+    schema.drop().await;
+}

@@ -222,21 +222,21 @@ async fn execute<S, ReqBody, ResBody>(
     lease: &Lease,
     reply: Caller<ResBody, S::Error>,
     grpc: bool,
-) -> (Handled<ResBody, S::Error>, HeaderMap)
+) -> (Handled<ResBody, S::Error>, Arc<HeaderMap>)
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     ResBody: Body,
     ResBody::Error: Into<BoxError>,
 {
     // The response may vary on request headers (`Vary`): keep them to store with it.
-    let request_headers = parts.headers.clone();
+    let request_headers = Arc::new(parts.headers.clone());
     let mut request = Request::from_parts(parts, RequestBody::buffered(body));
     let settings = &engine.settings;
     request.extensions_mut().insert(IdempotencyClaim::granted(
         lease.clone(),
-        settings.retention,
-        settings.lease,
+        (settings.retention, settings.lease),
         Arc::clone(&settings.store_rules),
+        Arc::clone(&request_headers),
     ));
     let started = Instant::now();
     let key = lease.record().key();

@@ -63,9 +63,9 @@ where
     let settings = &engine.settings;
     let granted = IdempotencyClaim::granted(
         lease.clone(),
-        settings.retention,
-        settings.lease,
+        (settings.retention, settings.lease),
         Arc::clone(&settings.store_rules),
+        Arc::default(),
     );
     let started = Instant::now();
     let (stored, completion, delivered) = match work(granted).await {

@@ -124,9 +124,14 @@ SELECT EXISTS (SELECT 1 FROM renewed) AS renewed,
                  AND state IN ('in_flight', 'committed')) AS owned
 ";
 
+/// Completes the key; a response the handler stored with the fence (`commit_with_response`) is
+/// kept: one key, one stored answer, whichever path stored it.
 pub(super) const COMPLETE: &str = r"
 UPDATE idempotency_keys
-SET state = 'completed', status = $4, response = $5, lease_until = now(),
+SET state = 'completed',
+    status = CASE WHEN state = 'committed' AND response IS NOT NULL THEN status ELSE $4 END,
+    response = CASE WHEN state = 'committed' AND response IS NOT NULL THEN response ELSE $5 END,
+    lease_until = now(),
     expires_at = now() + $6::float8 * interval '1 millisecond', updated_at = now()
 WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
 ";
