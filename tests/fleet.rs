@@ -700,6 +700,18 @@ async fn an_instance_killed_after_the_commit_leaves_the_payment_to_the_retry() {
     schema.drop().await;
 }
 
+/// The payment rows of `key` whose status is like `status` (`%`: any).
+async fn payment_rows(schema: &TestSchema, key: &str, status: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM payments WHERE idempotency_key = $1 AND status LIKE $2",
+    )
+    .bind(key)
+    .bind(status)
+    .fetch_one(&schema.pool)
+    .await
+    .unwrap()
+}
+
 /// Kills an instance (SIGKILL) while a payment waits at `pause` (one of the example's pauses
 /// between its steps) once `reached` says it got there, and retries on another instance: the
 /// retry takes the key over when the lease ends, resumes from the last recovery point, and
@@ -781,12 +793,7 @@ async fn an_instance_killed_after_recording_the_intent_is_resumed_by_the_retry()
         "PAYMENTS_PAUSE_AFTER_INTENT_MS",
         &[],
         async |schema: &TestSchema, _: &MockProvider, key: &str| {
-            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payments WHERE idempotency_key = $1")
-                .bind(key)
-                .fetch_one(&schema.pool)
-                .await
-                .unwrap()
-                == 1
+            payment_rows(schema, key, "%").await == 1
         },
     )
     .await;
@@ -821,14 +828,7 @@ async fn an_instance_killed_after_a_plain_commit_is_answered_by_the_recovery_hoo
         "PAYMENTS_PAUSE_AFTER_COMMIT_MS",
         &plain,
         async |schema: &TestSchema, _: &MockProvider, key: &str| {
-            sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM payments WHERE idempotency_key = $1 AND status = 'succeeded'",
-            )
-            .bind(key)
-            .fetch_one(&schema.pool)
-            .await
-            .unwrap()
-                == 1
+            payment_rows(schema, key, "succeeded").await == 1
         },
     )
     .await;

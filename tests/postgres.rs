@@ -831,13 +831,7 @@ async fn claims_and_fences_stay_index_lookups_after_the_table_grew_from_empty() 
 #[tokio::test]
 async fn a_claim_that_settles_a_locked_row_leaves_no_transaction_open() {
     let schema = TestSchema::new().await;
-    let application = format!("settle-{}", Uuid::new_v4().simple());
-    let options = schema_options(&database_url(), &schema.name).application_name(&application);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(options)
-        .await
-        .unwrap();
+    let (pool, application) = named_pool(&schema, "settle").await;
     let store = PostgresStore::new(pool.clone());
     let short = Duration::from_millis(100);
     acquire(&store, &claim_request("k-locked", short)).await;
@@ -1038,13 +1032,7 @@ async fn the_recovery_hook_answers_a_key_committed_without_an_answer() {
 #[tokio::test]
 async fn terminated_connections_are_never_lent_again_and_claims_go_on() {
     let schema = TestSchema::new().await;
-    let application = format!("terminated-{}", Uuid::new_v4().simple());
-    let options = schema_options(&database_url(), &schema.name).application_name(&application);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(options)
-        .await
-        .unwrap();
+    let (pool, application) = named_pool(&schema, "terminated").await;
     let store = PostgresStore::new(pool.clone());
     // Idle connections of the store's own, several of them.
     let warm: Vec<_> = (0..8)
@@ -1168,4 +1156,18 @@ async fn an_answer_stored_with_the_fence_is_the_one_every_retry_gets() {
     let body = late.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body, "paiement");
     schema.drop().await;
+}
+
+/// A pool of two connections in `schema`, whose sessions (and the store's own, made from its
+/// options) carry an application name of their own: the name, to find them in
+/// `pg_stat_activity`.
+async fn named_pool(schema: &TestSchema, prefix: &str) -> (PgPool, String) {
+    let application = format!("{prefix}-{}", Uuid::new_v4().simple());
+    let options = schema_options(&database_url(), &schema.name).application_name(&application);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    (pool, application)
 }

@@ -153,7 +153,7 @@ impl<'a> Retrying<'a> {
         );
         Self {
             settings,
-            grpc: verdict::is_grpc(&parts.headers),
+            grpc: crate::grpc::is_grpc(&parts.headers),
             parts: Some(parts),
             head,
             body,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use http::{HeaderMap, StatusCode, header::RETRY_AFTER};
 
-use crate::{grpc, headers::IDEMPOTENT_REPLAYED};
+use crate::headers::IDEMPOTENT_REPLAYED;
 
 /// What to do with an attempt's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,11 +55,6 @@ fn retry_after(headers: &HeaderMap) -> Option<Duration> {
         .parse()
         .ok()?;
     Some(Duration::from_secs(seconds))
-}
-
-/// Whether `headers` make the request gRPC.
-pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
-    grpc::is_grpc(headers)
 }
 
 /// Exponential backoff with full jitter: before attempt `attempt + 1` (the first retry after
