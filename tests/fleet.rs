@@ -385,25 +385,30 @@ async fn a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_res
             [failed_over, resharded, started.elapsed()]
         })
     };
+    // Deliveries go on in rounds of 30 keys until the faults are over, and one round after: the
+    // faults take as long as they take (resharding 2000 slots took 6.8 s on Valkey 8.1), and
+    // every one of them happens while duplicates flow.
     let started = Instant::now();
-    let answers = burst(
-        &urls,
-        "cluster",
-        120,
-        3,
-        Duration::from_millis(9000),
-        &tally,
-    )
-    .await;
+    let mut answers = HashMap::new();
+    let mut rounds = 0;
+    loop {
+        let over = faults.is_finished();
+        let prefix = format!("cluster-{rounds}");
+        let spread = Duration::from_millis(2000);
+        answers.extend(burst(&urls, &prefix, 30, 3, spread, &tally).await);
+        rounds += 1;
+        if over && rounds >= 4 {
+            break;
+        }
+    }
     let burst_took = started.elapsed();
     let [failed_over, resharded, replaced] = faults.await.unwrap();
     let figures = exactly_once(&schema.pool, &provider, &answers).await;
     println!(
         "redis cluster: 3 instances; failover done at {failed_over:.1?}, 2000 slots resharded by \
-         {resharded:.1?}, a killed master replaced by {replaced:.1?}, deliveries over \
-         {burst_took:.1?}; {figures}; {tally}"
+         {resharded:.1?}, a killed master replaced by {replaced:.1?}, {rounds} rounds of \
+         deliveries over {burst_took:.1?}; {figures}; {tally}"
     );
-    assert!(replaced < burst_took, "the faults outlasted the deliveries");
     assert_eq!(
         Tally::get(&tally.unavailable),
         0,

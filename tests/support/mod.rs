@@ -33,6 +33,40 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+/// A busy loop on every core while it lives: a machine shared with other jobs.
+pub struct Busy {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Busy {
+    pub fn on_every_core() -> Self {
+        use std::sync::{Arc, atomic::AtomicBool, atomic::Ordering::Relaxed};
+        let stop = Arc::new(AtomicBool::new(false));
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let threads = (0..cores)
+            .map(|_| {
+                let stop = Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    while !stop.load(Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        Self { stop, threads }
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
 /// A server program a test starts: the path in the environment variable `var` if it is set,
 /// else the first `name` on `PATH`, else one of `fallbacks`. Panics with what is missing and how
 /// to provide it.
