@@ -23,8 +23,8 @@ use http::HeaderMap;
 use http_body_util::BodyExt;
 use sqlx::PgPool;
 use support::{
-    FrozenRenewals, PgCluster, TestSchema, acquire, claim_request, database_url, pool_in_schema,
-    schema_options,
+    Forwarder, FrozenRenewals, PgCluster, TestSchema, acquire, claim_request, database_url,
+    pool_in_schema, schema_options,
 };
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceExt;
@@ -1170,4 +1170,132 @@ async fn named_pool(schema: &TestSchema, prefix: &str) -> (PgPool, String) {
         .await
         .unwrap();
     (pool, application)
+}
+
+/// What callers saw while Postgres went through a fault under load.
+#[derive(Debug)]
+struct UnderLoad {
+    /// Keys answered 201 (each once, then the caller moved on).
+    keys: usize,
+    /// 503 answers in all, and those to requests sent after Postgres answered again.
+    unavailable: usize,
+    unavailable_after: usize,
+    /// 409 answers (a key in flight, its completion waiting for Postgres).
+    in_flight: usize,
+}
+
+/// 16 callers send fresh keys one after another through a layer on `store` (a handler that takes
+/// 20 ms), each sending its key
+/// again after a 503 or a 409 (50 ms later), while `fault` runs and for 2 s after it returns
+/// (when Postgres answers again); every handler run counted per key.
+async fn under_load(
+    store: PostgresStore,
+    fault: impl Future<Output = ()>,
+) -> (UnderLoad, std::collections::HashMap<String, usize>) {
+    use std::{collections::HashMap, sync::Mutex, sync::atomic::AtomicBool};
+    let runs = Arc::new(Mutex::new(HashMap::<String, usize>::new()));
+    let counted = Arc::clone(&runs);
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(move |headers: HeaderMap| async move {
+                let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+                *counted.lock().unwrap().entry(key).or_default() += 1;
+                // Work that takes a while: keys are in flight when Postgres goes.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                (StatusCode::CREATED, "ordered")
+            }),
+        )
+        .layer(IdempotencyLayer::new(store).with_lease(Duration::from_secs(2)));
+    let stop = Arc::new(AtomicBool::new(false));
+    let answered_again = Arc::new(Mutex::new(None::<Instant>));
+    let callers: Vec<_> = (0..16)
+        .map(|caller| {
+            let (app, stop) = (app.clone(), Arc::clone(&stop));
+            let answered_again = Arc::clone(&answered_again);
+            tokio::spawn(async move {
+                let (mut keys, mut unavailable, mut after, mut in_flight) = (0, 0, 0, 0);
+                while !stop.load(SeqCst) {
+                    let key = format!("caller-{caller}-{keys}");
+                    loop {
+                        let sent = Instant::now();
+                        match order(&app, &key).await.status() {
+                            StatusCode::CREATED => break,
+                            StatusCode::SERVICE_UNAVAILABLE => {
+                                unavailable += 1;
+                                let again = *answered_again.lock().unwrap();
+                                after += usize::from(again.is_some_and(|at| sent > at));
+                            }
+                            StatusCode::CONFLICT => in_flight += 1,
+                            other => panic!("{key}: unexpected {other}"),
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    keys += 1;
+                }
+                (keys, unavailable, after, in_flight)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    fault.await;
+    *answered_again.lock().unwrap() = Some(Instant::now());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, SeqCst);
+    let mut seen = UnderLoad {
+        keys: 0,
+        unavailable: 0,
+        unavailable_after: 0,
+        in_flight: 0,
+    };
+    for caller in callers {
+        let (keys, unavailable, after, in_flight) = caller.await.unwrap();
+        seen.keys += keys;
+        seen.unavailable += unavailable;
+        seen.unavailable_after += after;
+        seen.in_flight += in_flight;
+    }
+    let runs = runs.lock().unwrap().clone();
+    (seen, runs)
+}
+
+fn assert_once_each(seen: &UnderLoad, runs: &std::collections::HashMap<String, usize>) {
+    let twice: Vec<_> = runs.iter().filter(|&(_, &n)| n > 1).collect();
+    assert!(twice.is_empty(), "keys that ran twice: {twice:?}");
+    assert_eq!(runs.len(), seen.keys, "every answered key ran, once");
+    assert_eq!(
+        seen.unavailable_after, 0,
+        "503 to requests sent after Postgres answered again: {seen:?}"
+    );
+}
+
+/// Postgres restarts (`pg_ctl restart -m fast`: every session terminated) while 16 callers send
+/// fresh keys: no key runs twice, and no request sent once it answers again gets a 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_restart_under_load_runs_nothing_twice_and_503s_end_when_it_answers() {
+    let mut cluster = PgCluster::start().await;
+    let store = PostgresStore::new(pool_in_schema(&cluster.url(), "public").await);
+    let (seen, runs) = under_load(store, cluster.restart_server()).await;
+    println!("postgres restarted under load: {seen:?}");
+    assert_once_each(&seen, &runs);
+}
+
+/// The primary dies (`-m immediate`) while 16 callers send fresh keys; its synchronous standby
+/// is promoted and the address the store uses moves to it (a virtual IP or DNS name): no key
+/// runs twice, keys in flight complete on the new primary, and no request sent once it answers
+/// gets a 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_failover_under_load_runs_nothing_twice_and_503s_end_when_it_answers() {
+    let mut primary = PgCluster::start().await;
+    let standby = primary.start_standby().await;
+    let address = Forwarder::start(primary.port).await;
+    let store = PostgresStore::new(pool_in_schema(&address.postgres_url(), "public").await);
+    let failover = async {
+        primary.stop_server();
+        tokio::task::block_in_place(|| standby.promote());
+        address.point_at(standby.port);
+    };
+    let (seen, runs) = under_load(store, failover).await;
+    println!("postgres failed over under load: {seen:?}");
+    assert_once_each(&seen, &runs);
 }

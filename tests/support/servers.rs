@@ -45,6 +45,9 @@ pub fn postgres_bindir() -> PathBuf {
         "install the PostgreSQL server (Debian: `apt install postgresql`; macOS: `brew install \
          postgresql`) and put its bin directory on PATH",
     );
+    // The real directory: a link on PATH (`/usr/local/bin/initdb`) may have no `pg_basebackup`
+    // beside it.
+    let initdb = initdb.canonicalize().unwrap_or(initdb);
     initdb.parent().unwrap().to_owned()
 }
 
@@ -237,6 +240,92 @@ pub struct PgCluster {
 
 impl PgCluster {
     pub async fn start() -> Self {
+        let mut cluster = Self::unstarted();
+        let initdb = cluster
+            .command("initdb")
+            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
+            .arg(cluster.dir.join("data"))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(initdb.success(), "initdb failed");
+        cluster.start_server().await;
+        cluster
+    }
+
+    /// A streaming replica of this cluster, started on a port of its own. This cluster then
+    /// waits for it on every commit (synchronous replication), so a failover to it loses no
+    /// commit a client was told of.
+    pub async fn start_standby(&self) -> Self {
+        use sqlx::Connection;
+        let mut standby = Self::unstarted();
+        let backup = self
+            .command("pg_basebackup")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(["-U", "postgres", "-X", "stream", "-R", "-D"])
+            .arg(standby.dir.join("data"))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(backup.success(), "pg_basebackup failed");
+        standby.start_server().await;
+        let mut primary = sqlx::PgConnection::connect(&self.url()).await.unwrap();
+        sqlx::query("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            .execute(&mut primary)
+            .await
+            .unwrap();
+        sqlx::query("SELECT pg_reload_conf()")
+            .execute(&mut primary)
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let sync = "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'";
+        while sqlx::query_scalar::<_, i64>(sync)
+            .fetch_one(&mut primary)
+            .await
+            .unwrap()
+            == 0
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the standby never became synchronous"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        standby
+    }
+
+    /// Makes this standby the primary (`pg_ctl promote`), once it accepts writes.
+    pub fn promote(&self) {
+        let status = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-w", "promote"])
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "pg_ctl promote failed");
+    }
+
+    /// Restarts the server as an operator does (`-m fast`: every session is terminated), and
+    /// returns once it accepts connections again.
+    pub async fn restart_server(&mut self) {
+        let status = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-m", "fast", "-w", "stop"])
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "pg_ctl stop failed");
+        self.running = false;
+        self.start_server().await;
+    }
+
+    /// A directory (owned by the cluster's user) and a port, nothing in them yet.
+    fn unstarted() -> Self {
         let bin = postgres_bindir();
         let dir = std::env::temp_dir().join(format!("pg-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -254,22 +343,12 @@ impl PgCluster {
                 dir.display()
             );
         }
-        let mut cluster = Self {
+        Self {
             dir,
             port: free_port(),
             bin,
             running: false,
-        };
-        let initdb = cluster
-            .command("initdb")
-            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
-            .arg(cluster.dir.join("data"))
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(initdb.success(), "initdb failed");
-        cluster.start_server().await;
-        cluster
+        }
     }
 
     fn command(&self, name: &str) -> Command {
@@ -351,4 +430,50 @@ impl Drop for PgCluster {
 pub fn url_in_schema(url: &str, schema: &str) -> String {
     let separator = if url.contains('?') { '&' } else { '?' };
     format!("{url}{separator}options[search_path]={schema}")
+}
+
+/// A fixed address that relays each new connection to the server it points at, as a virtual IP
+/// or a DNS name that a failover moves does.
+pub struct Forwarder {
+    pub port: u16,
+    target: std::sync::Arc<std::sync::Mutex<u16>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Forwarder {
+    pub async fn start(target: u16) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let target = std::sync::Arc::new(std::sync::Mutex::new(target));
+        let current = std::sync::Arc::clone(&target);
+        let task = tokio::spawn(async move {
+            loop {
+                let (mut client, _) = listener.accept().await.unwrap();
+                let to = *current.lock().unwrap();
+                tokio::spawn(async move {
+                    if let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", to)).await
+                    {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+            }
+        });
+        Self { port, target, task }
+    }
+
+    /// New connections go to `port` from now on.
+    pub fn point_at(&self, port: u16) {
+        *self.target.lock().unwrap() = port;
+    }
+
+    /// `postgres://` on the forwarder.
+    pub fn postgres_url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for Forwarder {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
