@@ -1299,3 +1299,36 @@ async fn a_postgres_failover_under_load_runs_nothing_twice_and_503s_end_when_it_
     println!("postgres failed over under load: {seen:?}");
     assert_once_each(&seen, &runs);
 }
+
+/// The fence's retention counts from the fence, not from the start of the handler's
+/// transaction: a key fenced at the end of a long transaction (1.5 s of work here) and never
+/// completed (its instance died) keeps its answer for the whole retention after the commit.
+#[tokio::test]
+async fn the_fences_retention_counts_from_the_commit_not_the_transactions_start() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone());
+    let request = claim_request("long-transaction", Duration::from_secs(3));
+    let lease = acquire(&store, &request).await;
+    let retention = Duration::from_secs(10);
+    let mut tx = schema.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_sleep(1.5)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    IdempotencyClaim::new(lease, retention)
+        .commit(&mut tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let info = store
+        .inspect(request.record())
+        .await
+        .unwrap()
+        .expect("the committed record");
+    assert!(
+        info.expires_in > retention - Duration::from_millis(500),
+        "expires in {:?} of a {retention:?} retention: counted from the transaction's start",
+        info.expires_in
+    );
+    schema.drop().await;
+}

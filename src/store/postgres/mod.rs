@@ -83,6 +83,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "recovery points",
         include_str!("../../../migrations/20261201000000_recovery_points.sql"),
     ),
+    (
+        20261201000001,
+        "fence retention from the fence",
+        include_str!("../../../migrations/20261201000001_fence_retention_from_the_fence.sql"),
+    ),
 ];
 
 /// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 16 ways:
