@@ -16,9 +16,11 @@ const STALE_AFTER: Duration = Duration::from_secs(30);
 
 /// Connections of the store's own, apart from the application's pool.
 ///
-/// Three reasons. sqlx's pool checks a connection with a round trip when it hands it out and
-/// again when it takes it back: three round trips for every statement instead of one, and a
-/// task spawned per statement. A connection of our own can carry session settings that are the
+/// Three reasons. sqlx's pool checks a connection with a round trip when it takes it back (and,
+/// unless `test_before_acquire(false)`, when it hands it out), in a task spawned per statement.
+/// Measured side by side (BENCHMARKS.md, "The store's connections"), sqlx's `PgPool` with
+/// `test_before_acquire(false)` and the same session settings served 0.72-0.81x the fresh keys
+/// and 0.66-0.81x the replays of these connections, at 1.3-1.7x the application CPU. A connection of our own can carry session settings that are the
 /// store's business alone: `enable_seqscan = off`, and a statement timeout, so that a statement
 /// the store gave up on is also abandoned by the server. And the store's statements never queue
 /// behind the application's, nor the application's behind them.
