@@ -221,23 +221,15 @@ impl RedisCluster {
     /// timeout, 1 s). Writes the master had not yet replicated are lost, as in production.
     /// Returns the port of the promoted replica.
     pub fn kill_a_master(&self) -> u16 {
-        let roles = self.roles();
-        let (port, id, _) = roles
-            .iter()
-            .find(|(_, _, master)| master.is_none())
-            .expect("a master");
-        let (replica, _, _) = roles
-            .iter()
-            .find(|(_, _, master)| master.as_deref() == Some(id.as_str()))
-            .expect("a replica of the master");
-        let index = self.ports.iter().position(|p| p == port).unwrap();
+        let (port, replica) = self.a_master_and_its_replica();
+        let index = self.ports.iter().position(|&p| p == port).unwrap();
         {
             let mut nodes = self.nodes.lock().unwrap();
             let _ = nodes[index].kill();
             let _ = nodes[index].wait();
         }
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !(self.cli(*replica, &["role"]).starts_with("master") && self.cluster_ok()) {
+        while !(self.cli(replica, &["role"]).starts_with("master") && self.cluster_ok()) {
             assert!(
                 Instant::now() < deadline,
                 "no replica took over from {port}"
@@ -245,7 +237,30 @@ impl RedisCluster {
             std::thread::sleep(Duration::from_millis(100));
         }
         self.wait_until_settled();
-        *replica
+        replica
+    }
+
+    /// A master with a replica, and that replica. Right after a failover a node's view of who
+    /// replicates whom may lag (seen on Valkey 8.1): it is read again until one has a replica.
+    fn a_master_and_its_replica(&self) -> (u16, u16) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let roles = self.roles();
+            let pair = roles.iter().find_map(|(port, id, master)| {
+                let (replica, _, _) = roles
+                    .iter()
+                    .find(|(_, _, of)| master.is_none() && of.as_deref() == Some(id.as_str()))?;
+                Some((*port, *replica))
+            });
+            if let Some(pair) = pair {
+                return pair;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no master has a replica: {roles:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// Moves `slots` slots from one master to another with `redis-cli --cluster reshard`: keys
