@@ -3,8 +3,6 @@
 
 mod support;
 
-use std::process::Command;
-
 use support::{RedisServer, TestSchema, database_url, free_port, schema_options, url_in_schema};
 use tower_idempotency::{
     MemoryStore,
@@ -167,10 +165,8 @@ async fn postgres_flags_missing_migrations_missing_timeouts_and_a_sweeper_that_n
 
 /// The admin example's `doctor`: its output and exit code, as a deployment script sees them.
 fn doctor(env: &[(&str, String)]) -> (bool, String) {
-    let output = Command::new(support::example("admin"))
+    let output = support::example_command("admin", env)
         .arg("doctor")
-        .env_remove("REDIS_CLUSTER_NODES")
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();

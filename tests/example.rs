@@ -216,9 +216,8 @@ async fn payments_example_serves_its_metrics_to_prometheus() {
 
 /// The admin command, run as an operator would.
 fn admin(env: &[(&str, String)], args: &[&str]) -> String {
-    let output = std::process::Command::new(support::example("admin"))
+    let output = support::example_command("admin", env)
         .args(args)
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();

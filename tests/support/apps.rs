@@ -2,6 +2,22 @@
 
 use super::*;
 
+/// A command that runs the example `name` with `env` and, whatever the shell that runs the
+/// tests has, no other store settings: the stores are the test's choice alone.
+pub fn example_command(name: &str, env: &[(&str, String)]) -> Command {
+    let mut command = Command::new(example(name));
+    for store in [
+        "DATABASE_URL",
+        "REDIS_URL",
+        "REDIS_CLUSTER_NODES",
+        "REDIS_PREFIX",
+    ] {
+        command.env_remove(store);
+    }
+    command.envs(env.iter().map(|(k, v)| (*k, v.as_str())));
+    command
+}
+
 /// The path of an example binary; `cargo test` builds the examples before the tests.
 pub fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
@@ -37,29 +53,19 @@ impl Proc {
         let port = free_port();
         let log = std::env::temp_dir().join(format!("{name}-{port}.log"));
         let out = std::fs::File::create(&log).unwrap();
-        let mut command = Command::new(example(name));
+        // The test's own settings come last, and win.
+        let log_level = std::env::var("EXAMPLE_LOG").unwrap_or_else(|_| "warn".into());
+        let mut settings = vec![
+            ("PORT", port.to_string()),
+            ("RUST_LOG", log_level),
+            ("NO_COLOR", "1".to_owned()),
+        ];
+        settings.extend(env.iter().map(|(k, v)| (*k, v.clone())));
+        let mut command = example_command(name, &settings);
         command
-            .env("PORT", port.to_string())
-            .env(
-                "RUST_LOG",
-                std::env::var("EXAMPLE_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
             .stderr(out);
-        // The stores are the test's choice alone, whatever the shell that runs the tests has.
-        for store in [
-            "DATABASE_URL",
-            "REDIS_URL",
-            "REDIS_CLUSTER_NODES",
-            "REDIS_PREFIX",
-        ] {
-            command.env_remove(store);
-        }
-        for (key, value) in env {
-            command.env(key, value);
-        }
         let child = command.spawn().unwrap();
         Self { child, port, log }
     }
