@@ -14,6 +14,10 @@
 //! requests repeat keys completed during the warm-up. Rounds (`--rounds`, 3) interleave the
 //! setups, and ratios are medians of per-round ratios.
 //!
+//! `REDIS_SERVER` (and `REDIS_CLI`) name the server program, so a Valkey run is the same command
+//! with `REDIS_SERVER=valkey-server`. "redis-cluster" is the Redis store on a cluster of three
+//! masters this program starts (`redis-cli --cluster create`), on the same cores.
+//!
 //! Redis runs as a `redis-server` this program starts on a free port, emptied before each run,
 //! so that its CPU time (`/proc`, per request) and `MEMORY USAGE` (per completed key) count only
 //! that run; Postgres is `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), in a
@@ -51,11 +55,12 @@ use tower_idempotency::{
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 9] = [
+const SETUPS: [&str; 10] = [
     "bare",
     "memory",
     "naive",
     "redis",
+    "redis-cluster",
     "postgres",
     "postgres-partitioned",
     "tiered",
@@ -108,13 +113,15 @@ impl Options {
 // ---------------------------------------------------------------------------------------------
 // The server side.
 
-/// Serves one setup on `port` until killed. `env` is "redis_url|database_url|schema".
+/// Serves one setup on `port` until killed. `env` is "redis_url|database_url|schema|cluster",
+/// the last the Redis Cluster's node URLs, comma-separated (empty without a cluster).
 fn serve(setup: &str, port: u16, env: &str) {
     let mut parts = env.split('|');
-    let (redis_url, database_url, schema) = (
+    let (redis_url, database_url, schema, cluster) = (
         parts.next().unwrap().to_owned(),
         parts.next().unwrap().to_owned(),
         parts.next().unwrap().to_owned(),
+        parts.next().unwrap_or_default().to_owned(),
     );
     let setup = setup.to_owned();
     tokio::runtime::Builder::new_multi_thread()
@@ -154,6 +161,7 @@ fn serve(setup: &str, port: u16, env: &str) {
                 "memory-1mib" => big(MemoryStore::new()),
                 "memory-1mib-unbounded" => big(MemoryStore::new().with_max_bytes(usize::MAX)),
                 "redis" => layered(Arc::new(redis_store(&redis_url, &prefix))),
+                "redis-cluster" => layered(Arc::new(cluster_store(&cluster, &prefix))),
                 "postgres" => layered(Arc::new(postgres_store(&database_url, &schema).await)),
                 "postgres-partitioned" => layered(Arc::new(
                     postgres_store(&database_url, &partitioned(&schema)).await,
@@ -186,6 +194,12 @@ fn serve(setup: &str, port: u16, env: &str) {
 
 fn redis_store(url: &str, prefix: &str) -> RedisStore {
     RedisStore::open(url).unwrap().with_prefix(prefix)
+}
+
+fn cluster_store(seeds: &str, prefix: &str) -> RedisStore {
+    RedisStore::cluster(seeds.split(','))
+        .unwrap()
+        .with_prefix(prefix)
 }
 
 /// The schema beside `schema` whose `idempotency_keys` is hash-partitioned.
@@ -273,6 +287,11 @@ struct Run {
 
 async fn drive(options: Options) {
     let redis = RedisServer::start();
+    let cluster = options
+        .only
+        .iter()
+        .any(|s| s == "redis-cluster")
+        .then(RedisServer::start_cluster);
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     let schema = format!("bench_{}", Uuid::new_v4().simple());
@@ -296,7 +315,8 @@ async fn drive(options: Options) {
         .execute(store.pool())
         .await
         .unwrap();
-    let env = format!("{}|{database_url}|{schema}", redis.url());
+    let seeds = cluster.as_ref().map(RedisServer::urls).unwrap_or_default();
+    let env = format!("{}|{database_url}|{schema}|{seeds}", redis.url());
     let seconds = Duration::from_secs(options.seconds);
 
     eprintln!(
@@ -315,17 +335,29 @@ async fn drive(options: Options) {
             } else {
                 &["fresh", "replay"]
             };
+            // The Redis whose CPU the run counts and which it empties first.
+            let server = match (*setup, &cluster) {
+                ("redis-cluster", Some(cluster)) => cluster,
+                _ => &redis,
+            };
             for &workload in workloads {
                 let run =
-                    measure(setup, workload, &env, &redis, options.connections, seconds).await;
+                    measure(setup, workload, &env, server, options.connections, seconds).await;
                 eprintln!("round {round} {setup:>8} {workload:>6}: {run:?}");
                 runs.entry((setup.to_string(), workload.to_string()))
                     .or_default()
                     .push(run);
             }
         }
-        for (name, floor) in measure_floors(&options, &redis, &database_url, &schema, seconds).await
-        {
+        let floors_now = measure_floors(
+            &options,
+            &redis,
+            cluster.as_ref(),
+            &database_url,
+            &schema,
+            seconds,
+        );
+        for (name, floor) in floors_now.await {
             eprintln!("round {round} floor {name}: {floor:.0}/s");
             floors.entry(name).or_default().push(floor);
         }
@@ -351,6 +383,7 @@ async fn drive(options: Options) {
     }
 
     drop(redis);
+    drop(cluster);
     for schema in [schema.clone(), partitioned(&schema)] {
         sqlx::query(sqlx::AssertSqlSafe(format!(
             r#"DROP SCHEMA "{schema}" CASCADE"#
@@ -408,7 +441,7 @@ async fn measure(
     .await;
 
     let cpu_before = process_cpu(server.id());
-    let redis_before = process_cpu(redis.child.id());
+    let redis_before = redis.cpu();
     let postgres_before = postgres_cpu();
     let started = Instant::now();
     let mut latencies = match workload {
@@ -418,7 +451,7 @@ async fn measure(
     let elapsed = started.elapsed();
     let cpu = process_cpu(server.id()) - cpu_before;
     let peak_rss_mib = peak_rss_kib(server.id()) as f64 / 1024.0;
-    let redis_cpu = process_cpu(redis.child.id()) - redis_before;
+    let redis_cpu = redis.cpu() - redis_before;
     let postgres_cpu = postgres_cpu().saturating_sub(postgres_before);
     let _ = server.kill();
     let _ = server.wait();
@@ -439,7 +472,7 @@ async fn measure(
         p99_us: at(0.99),
         max_us: at(1.0),
         cpu_us_per_req: cpu.as_secs_f64() * 1e6 / requests as f64,
-        redis_us_per_req: matches!(setup, "redis" | "naive" | "tiered")
+        redis_us_per_req: matches!(setup, "redis" | "redis-cluster" | "naive" | "tiered")
             .then(|| redis_cpu.as_secs_f64() * 1e6 / requests as f64),
         postgres_us_per_req: (setup.starts_with("postgres") || setup == "tiered")
             .then(|| postgres_cpu.as_secs_f64() * 1e6 / requests as f64),
@@ -595,6 +628,7 @@ fn free_port() -> u16 {
 async fn measure_floors(
     options: &Options,
     redis: &RedisServer,
+    cluster: Option<&RedisServer>,
     database_url: &str,
     schema: &str,
     seconds: Duration,
@@ -605,6 +639,13 @@ async fn measure_floors(
     if options.only.iter().any(|s| s == "redis") {
         let store = redis_store(&redis.url(), &format!("floor:{}:", Uuid::new_v4().simple()));
         floors.push(("redis", store_floor(Arc::new(store), tasks, seconds).await));
+    }
+    if let Some(cluster) = cluster {
+        cluster.flush().await;
+        let prefix = format!("floor:{}:", Uuid::new_v4().simple());
+        let store = cluster_store(&cluster.urls(), &prefix);
+        let floor = store_floor(Arc::new(store), tasks, seconds).await;
+        floors.push(("redis-cluster", floor));
     }
     if options.only.iter().any(|s| s == "postgres") {
         let store = postgres_store(database_url, schema).await;
@@ -730,19 +771,67 @@ where
 // ---------------------------------------------------------------------------------------------
 // Redis of the run's own.
 
+/// One `redis-server`, or the masters of a Redis Cluster.
 struct RedisServer {
-    child: Child,
-    port: u16,
+    children: Vec<Child>,
+    ports: Vec<u16>,
 }
 
 impl RedisServer {
     fn start() -> Self {
         let port = free_port();
+        Self {
+            children: vec![Self::node(port, &[])],
+            ports: vec![port],
+        }
+    }
+
+    /// Three masters without replicas (`redis-cli --cluster create`, `REDIS_CLI` or
+    /// `redis-cli`), on the same cores as the single server.
+    fn start_cluster() -> Self {
+        let dir = std::env::temp_dir().join(format!("bench-cluster-{}", Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut servers = Self {
+            children: Vec::new(),
+            ports: Vec::new(),
+        };
+        while servers.ports.len() < 3 {
+            let port = free_port();
+            // The cluster bus listens on port + 10000.
+            if port >= 55536 || TcpListener::bind(("127.0.0.1", port + 10000)).is_err() {
+                continue;
+            }
+            let config = dir.join(format!("nodes-{port}.conf"));
+            let config = config.to_str().unwrap();
+            let cluster = ["--cluster-enabled", "yes", "--cluster-config-file", config];
+            servers.children.push(Self::node(port, &cluster));
+            servers.ports.push(port);
+        }
+        let program = std::env::var_os("REDIS_CLI").unwrap_or_else(|| "redis-cli".into());
+        let nodes: Vec<String> = servers
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        let created = Command::new(program)
+            .args(["--cluster", "create"])
+            .args(&nodes)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .status()
+            .expect("redis-cli on PATH, or REDIS_CLI set to its path");
+        assert!(created.success(), "redis-cli --cluster create failed");
+        servers.wait_until_cluster_ok();
+        servers
+    }
+
+    fn node(port: u16, extra: &[&str]) -> Child {
         let program = std::env::var_os("REDIS_SERVER").unwrap_or_else(|| "redis-server".into());
         let child = Command::new(program)
             .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
             .args(["--save", "", "--appendonly", "no", "--dir"])
             .arg(std::env::temp_dir())
+            .args(extra)
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server on PATH, or REDIS_SERVER set to its path");
@@ -754,11 +843,51 @@ impl RedisServer {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        Self { child, port }
+        child
     }
 
+    fn wait_until_cluster_ok(&self) {
+        let started = Instant::now();
+        for url in self.urls().split(',') {
+            let mut connection = redis::Client::open(url).unwrap().get_connection().unwrap();
+            loop {
+                let info: String = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query(&mut connection)
+                    .unwrap();
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(20),
+                    "cluster not ok"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    /// The first node's URL.
     fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        format!("redis://127.0.0.1:{}", self.ports[0])
+    }
+
+    /// Every node's URL, comma-separated.
+    fn urls(&self) -> String {
+        let urls: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect();
+        urls.join(",")
+    }
+
+    /// CPU time of every node.
+    fn cpu(&self) -> Duration {
+        self.children
+            .iter()
+            .map(|child| process_cpu(child.id()))
+            .sum()
     }
 
     async fn connection(&self) -> redis::aio::MultiplexedConnection {
@@ -769,12 +898,20 @@ impl RedisServer {
             .unwrap()
     }
 
+    /// Empties every node.
     async fn flush(&self) {
-        let () = redis::cmd("FLUSHALL")
-            .arg("ASYNC")
-            .query_async(&mut self.connection().await)
-            .await
-            .unwrap();
+        for url in self.urls().split(',') {
+            let mut connection = redis::Client::open(url)
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            let () = redis::cmd("FLUSHALL")
+                .arg("ASYNC")
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+        }
     }
 
     /// Mean `MEMORY USAGE` of (up to 200 of) the keys matching `pattern`.
@@ -809,8 +946,10 @@ impl RedisServer {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
@@ -898,7 +1037,31 @@ fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&str, Vec<f64>
     if let (Some(x), Some(y)) = (get("redis", "replay"), get("naive", "replay")) {
         println!("- replays, Redis store vs naive guard: {:.2}×", ratio(x, y));
     }
-    for setup in ["postgres", "postgres-partitioned", "tiered", "redis"] {
+    for workload in ["fresh", "replay"] {
+        let (Some(x), Some(y)) = (get("redis-cluster", workload), get("redis", workload)) else {
+            continue;
+        };
+        let per_request = |list: &[Run]| {
+            median(
+                list.iter()
+                    .map(|r| r.cpu_us_per_req + r.redis_us_per_req.unwrap_or_default())
+                    .collect(),
+            )
+        };
+        println!(
+            "- {workload}, Redis Cluster (3 masters) vs one Redis: {:.2}× the requests, {:.2}× the \
+             CPU per request (server and Redis together)",
+            ratio(x, y),
+            per_request(x) / per_request(y)
+        );
+    }
+    for setup in [
+        "postgres",
+        "postgres-partitioned",
+        "tiered",
+        "redis",
+        "redis-cluster",
+    ] {
         if let (Some(list), Some(floor)) = (get(setup, "fresh"), floors.get(setup)) {
             let per_round: Vec<f64> = list.iter().zip(floor).map(|(r, f)| r.rps / f).collect();
             println!(
