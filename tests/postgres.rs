@@ -23,7 +23,7 @@ use http::HeaderMap;
 use http_body_util::BodyExt;
 use sqlx::PgPool;
 use support::{
-    Forwarder, FrozenRenewals, PgCluster, TestSchema, acquire, claim_request, database_url,
+    Fault, FaultProxy, FrozenRenewals, PgCluster, TestSchema, acquire, claim_request, database_url,
     pool_in_schema, schema_options,
 };
 use tokio::sync::{Notify, Semaphore};
@@ -1288,12 +1288,13 @@ async fn a_postgres_restart_under_load_runs_nothing_twice_and_503s_end_when_it_a
 async fn a_postgres_failover_under_load_runs_nothing_twice_and_503s_end_when_it_answers() {
     let mut primary = PgCluster::start().await;
     let standby = primary.start_standby().await;
-    let address = Forwarder::start(primary.port).await;
-    let store = PostgresStore::new(pool_in_schema(&address.postgres_url(), "public").await);
+    let address = FaultProxy::start(vec![primary.address()], vec![Fault::None]).await;
+    let url = support::postgres_url(address.port);
+    let store = PostgresStore::new(pool_in_schema(&url, "public").await);
     let failover = async {
         primary.stop_server();
         tokio::task::block_in_place(|| standby.promote());
-        address.point_at(standby.port);
+        address.point_at(vec![standby.address()]);
     };
     let (seen, runs) = under_load(store, failover).await;
     println!("postgres failed over under load: {seen:?}");

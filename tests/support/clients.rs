@@ -108,34 +108,49 @@ pub enum Fault {
 }
 
 /// A TCP proxy in front of servers (round-robin), that does to each new connection what the
-/// next entry of its plan says (the plan repeats).
+/// next entry of its plan says (the plan repeats). With `Fault::None` alone and
+/// [`point_at`](Self::point_at), it is a fixed address that a failover moves (a virtual IP, a
+/// DNS name).
 pub struct FaultProxy {
     pub url: String,
+    pub port: u16,
+    upstreams: std::sync::Arc<std::sync::Mutex<Vec<std::net::SocketAddr>>>,
     connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl FaultProxy {
     pub async fn start(upstreams: Vec<std::net::SocketAddr>, plan: Vec<Fault>) -> Self {
-        use std::sync::{Arc, atomic::AtomicUsize, atomic::Ordering::SeqCst};
+        use std::sync::{Arc, Mutex, atomic::AtomicUsize, atomic::Ordering::SeqCst};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
+        let address = listener.local_addr().unwrap();
         let connections = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&connections);
+        let upstreams = Arc::new(Mutex::new(upstreams));
+        let (counted, current) = (Arc::clone(&connections), Arc::clone(&upstreams));
         let task = tokio::spawn(async move {
             loop {
                 let (client, _) = listener.accept().await.unwrap();
                 let n = counted.fetch_add(1, SeqCst);
-                let upstream = upstreams[n % upstreams.len()];
+                let upstream = {
+                    let upstreams = current.lock().unwrap();
+                    upstreams[n % upstreams.len()]
+                };
                 let fault = plan[n % plan.len()];
                 tokio::spawn(relay(client, upstream, fault));
             }
         });
         Self {
-            url,
+            url: format!("http://{address}"),
+            port: address.port(),
+            upstreams,
             connections,
             task,
         }
+    }
+
+    /// New connections go to `upstreams` from now on.
+    pub fn point_at(&self, upstreams: Vec<std::net::SocketAddr>) {
+        *self.upstreams.lock().unwrap() = upstreams;
     }
 
     /// Connections accepted so far.

@@ -297,29 +297,13 @@ impl PgCluster {
 
     /// Makes this standby the primary (`pg_ctl promote`), once it accepts writes.
     pub fn promote(&self) {
-        let status = self
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(self.dir.join("data"))
-            .args(["-w", "promote"])
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success(), "pg_ctl promote failed");
+        self.pg_ctl(&["-w", "promote"]);
     }
 
     /// Restarts the server as an operator does (`-m fast`: every session is terminated), and
     /// returns once it accepts connections again.
     pub async fn restart_server(&mut self) {
-        let status = self
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(self.dir.join("data"))
-            .args(["-m", "fast", "-w", "stop"])
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success(), "pg_ctl stop failed");
+        self.pg_ctl(&["-m", "fast", "-w", "stop"]);
         self.running = false;
         self.start_server().await;
     }
@@ -375,37 +359,44 @@ impl PgCluster {
             self.port,
             self.dir.display()
         );
-        let status = self
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(self.dir.join("data"))
-            .args(["-l"])
-            .arg(self.dir.join("log"))
-            .args(["-o", &options, "-w", "start"])
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success(), "pg_ctl start failed");
+        let log = self.dir.join("log");
+        self.pg_ctl(&["-l", log.to_str().unwrap(), "-o", &options, "-w", "start"]);
         self.running = true;
     }
 
     /// Stops the server at once, as a crash would (`-m immediate`).
     pub fn stop_server(&mut self) {
+        self.pg_ctl(&["-m", "immediate", "-w", "stop"]);
+        self.running = false;
+    }
+
+    /// `pg_ctl -D <data> args…`, which must succeed.
+    fn pg_ctl(&self, args: &[&str]) {
         let status = self
             .command("pg_ctl")
             .arg("-D")
             .arg(self.dir.join("data"))
-            .args(["-m", "immediate", "-w", "stop"])
+            .args(args)
             .stdout(Stdio::null())
             .status()
             .unwrap();
-        assert!(status.success(), "pg_ctl stop failed");
-        self.running = false;
+        assert!(status.success(), "pg_ctl {args:?} failed");
     }
 
     pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+        postgres_url(self.port)
     }
+
+    /// Where the server listens.
+    pub fn address(&self) -> std::net::SocketAddr {
+        ([127, 0, 0, 1], self.port).into()
+    }
+}
+
+/// The `postgres` database as the `postgres` user on a loopback port: a cluster of a test's
+/// own, or a proxy in front of one.
+pub fn postgres_url(port: u16) -> String {
+    format!("postgres://postgres@127.0.0.1:{port}/postgres")
 }
 
 /// The unprivileged user a root test run starts its Postgres as.
@@ -430,50 +421,4 @@ impl Drop for PgCluster {
 pub fn url_in_schema(url: &str, schema: &str) -> String {
     let separator = if url.contains('?') { '&' } else { '?' };
     format!("{url}{separator}options[search_path]={schema}")
-}
-
-/// A fixed address that relays each new connection to the server it points at, as a virtual IP
-/// or a DNS name that a failover moves does.
-pub struct Forwarder {
-    pub port: u16,
-    target: std::sync::Arc<std::sync::Mutex<u16>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Forwarder {
-    pub async fn start(target: u16) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let target = std::sync::Arc::new(std::sync::Mutex::new(target));
-        let current = std::sync::Arc::clone(&target);
-        let task = tokio::spawn(async move {
-            loop {
-                let (mut client, _) = listener.accept().await.unwrap();
-                let to = *current.lock().unwrap();
-                tokio::spawn(async move {
-                    if let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", to)).await
-                    {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                    }
-                });
-            }
-        });
-        Self { port, target, task }
-    }
-
-    /// New connections go to `port` from now on.
-    pub fn point_at(&self, port: u16) {
-        *self.target.lock().unwrap() = port;
-    }
-
-    /// `postgres://` on the forwarder.
-    pub fn postgres_url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-}
-
-impl Drop for Forwarder {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
 }
