@@ -1208,7 +1208,7 @@ async fn under_load(
         )
         .layer(IdempotencyLayer::new(store).with_lease(Duration::from_secs(2)));
     let stop = Arc::new(AtomicBool::new(false));
-    let answered_again = Arc::new(Mutex::new(None::<Instant>));
+    let answered_again = Arc::new(std::sync::OnceLock::<Instant>::new());
     let callers: Vec<_> = (0..16)
         .map(|caller| {
             let (app, stop) = (app.clone(), Arc::clone(&stop));
@@ -1223,8 +1223,8 @@ async fn under_load(
                             StatusCode::CREATED => break,
                             StatusCode::SERVICE_UNAVAILABLE => {
                                 unavailable += 1;
-                                let again = *answered_again.lock().unwrap();
-                                after += usize::from(again.is_some_and(|at| sent > at));
+                                let again = answered_again.get();
+                                after += usize::from(again.is_some_and(|&at| sent > at));
                             }
                             StatusCode::CONFLICT => in_flight += 1,
                             other => panic!("{key}: unexpected {other}"),
@@ -1239,7 +1239,7 @@ async fn under_load(
         .collect();
     tokio::time::sleep(Duration::from_millis(500)).await;
     fault.await;
-    *answered_again.lock().unwrap() = Some(Instant::now());
+    answered_again.set(Instant::now()).unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop.store(true, SeqCst);
     let mut seen = UnderLoad {
