@@ -80,6 +80,57 @@ async fn script_flush_between_calls_changes_nothing() {
     }
 }
 
+/// Completion and renewal are one `SET … IFEQ` on servers that have it (Valkey 8.1 here), the
+/// scripts on servers that refuse it (Redis 7.0 here): the server's own command counts say
+/// which ran, and the answers are the same either way.
+#[tokio::test]
+async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_where_not() {
+    let server = RedisServer::start().await;
+    let store = store_on(&server.url());
+    // The first finalize finds out what the server offers; the scripts get loaded.
+    let warm_up = claim_request("k-warm-up", Duration::from_secs(30));
+    let lease = support::acquire(&store, &warm_up).await;
+    let renewed = store.renew(&lease, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(renewed, Ownership::Held);
+    server.reset_stats().await;
+
+    let mut leases = Vec::new();
+    for key in ["k-cas-1", "k-cas-2"] {
+        let request = claim_request(key, Duration::from_secs(30));
+        let lease = support::acquire(&store, &request).await;
+        let renewed = store.renew(&lease, Duration::from_secs(30)).await.unwrap();
+        assert_eq!(renewed, Ownership::Held);
+        let completed = store
+            .complete(&lease, &ok_response(), Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(completed, Ownership::Held);
+        match store.claim(&request).await.unwrap() {
+            ClaimOutcome::Completed { response, .. } => assert_eq!(*response, ok_response()),
+            other => panic!("expected a replay, got {other:?}"),
+        }
+        leases.push(lease);
+    }
+    // A lease on a completed key holds nothing, whichever way it is asked.
+    let stale = &leases[0];
+    let renewed = store.renew(stale, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(renewed, Ownership::Lost);
+    let response = ok_response();
+    let completed = store.complete(stale, &response, Duration::from_secs(60));
+    assert_eq!(completed.await.unwrap(), Ownership::Lost);
+
+    // A script's own `redis.call`s count too: each claim that acquires is one SET inside
+    // claim.lua, each scripted completion one inside complete.lua (renew.lua's is a PEXPIRE).
+    let (scripts, sets) = (server.calls("evalsha").await, server.calls("set").await);
+    if server.has_set_ifeq().await {
+        // Claims and replays run the script; renewals and completions are one SET each.
+        assert_eq!((scripts, sets), (4, 2 + 6));
+    } else {
+        // Every call runs a script.
+        assert_eq!((scripts, sets), (10, 2 + 2));
+    }
+}
+
 #[tokio::test]
 async fn a_restarted_redis_is_reconnected() {
     let mut server = RedisServer::start().await;

@@ -36,6 +36,50 @@ fn created() -> StoredResponse {
     )
 }
 
+/// Behind Postgres, Redis completes the record it wrote by compare-and-set where it can: the
+/// fence it wrote travels in the lease beside the authority's (which the handler sees), so
+/// the front holds the answer after one `SET`, and still after a script where the server has
+/// no `SET … IFEQ`.
+#[tokio::test]
+async fn the_front_completes_the_record_it_wrote_by_compare_and_set_where_it_can() {
+    let server = RedisServer::start().await;
+    let schema = TestSchema::new().await;
+    let redis = RedisStore::open(&server.url()).unwrap();
+    let store = TieredStore::new(redis.clone(), PostgresStore::new(schema.pool.clone()));
+    let complete = async |key: &str| {
+        let (lease, response) = (acquire(&store, &request(key)).await, created());
+        let completed = store.complete(&lease, &response, Duration::from_secs(3600));
+        assert_eq!(completed.await.unwrap(), Ownership::Held);
+        lease
+    };
+    complete("k-warm-up").await;
+    server.reset_stats().await;
+
+    for key in ["k-cas-1", "k-cas-2", "k-cas-3"] {
+        complete(key).await;
+        match redis.claim(&request(key)).await.unwrap() {
+            ClaimOutcome::Completed { response, .. } => assert_eq!(*response, created()),
+            other => panic!("the front does not hold the answer: {other:?}"),
+        }
+    }
+    // Each claim that acquires is one SET inside claim.lua; a completion is one SET, its own
+    // or inside complete.lua: the scripts run say which.
+    let (scripts, sets) = (server.calls("evalsha").await, server.calls("set").await);
+    if server.has_set_ifeq().await {
+        assert_eq!(
+            (scripts, sets),
+            (3 + 3, 3 + 3),
+            "claims and replays scripted"
+        );
+    } else {
+        assert_eq!(
+            (scripts, sets),
+            (3 + 3 + 3, 3 + 3),
+            "completions scripted too"
+        );
+    }
+}
+
 #[tokio::test]
 async fn after_a_flush_the_authority_answers_and_redis_is_refilled() {
     let server = RedisServer::start().await;

@@ -31,7 +31,16 @@
 //!
 //! [`conformance`](crate::conformance) checks all of this against any implementation.
 
-use std::{fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use uuid::Uuid;
 
@@ -358,12 +367,27 @@ impl fmt::Display for RecordKey {
 }
 
 /// What a claim asks for.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ClaimRequest {
     record: Arc<RecordKey>,
     fingerprint: Fingerprint,
     owner: Uuid,
     lease: Duration,
+    /// The fence of the record the Redis store wrote when it last granted this claim (0: none),
+    /// carried into the lease as its [`Receipt`].
+    written: AtomicU64,
+}
+
+impl Clone for ClaimRequest {
+    fn clone(&self) -> Self {
+        Self {
+            record: Arc::clone(&self.record),
+            fingerprint: self.fingerprint,
+            owner: self.owner,
+            lease: self.lease,
+            written: AtomicU64::new(self.written.load(Ordering::Relaxed)),
+        }
+    }
 }
 
 impl ClaimRequest {
@@ -385,6 +409,7 @@ impl ClaimRequest {
             fingerprint,
             owner,
             lease,
+            written: AtomicU64::new(0),
         }
     }
 
@@ -410,12 +435,35 @@ impl ClaimRequest {
 
     /// The lease this claim yields once acquired with `fence`.
     pub fn lease_with_fence(&self, fence: u64) -> Lease {
+        let written = self.written.load(Ordering::Relaxed);
         Lease {
             record: Arc::clone(&self.record),
             owner: self.owner,
             fence,
+            receipt: (written != 0).then_some(Receipt {
+                fingerprint: self.fingerprint,
+                fence: written,
+            }),
         }
     }
+
+    /// Notes that the Redis store granted this claim by writing its record with `fence`: the
+    /// leases made from it from now on carry it.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn note_written(&self, fence: u64) {
+        self.written.store(fence, Ordering::Relaxed);
+    }
+}
+
+/// What the Redis store wrote when it granted a claim: the fingerprint and the fence of its
+/// in-flight record (which, behind [`TieredStore`], is not the lease's fence: that one is the
+/// authority's). With the owner token they make the record's exact bytes, so a server that
+/// compares and sets (`SET … IFEQ`) finalizes without a script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) struct Receipt {
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) fence: u64,
 }
 
 /// What an owner holds after a successful claim.
@@ -426,15 +474,21 @@ pub struct Lease {
     record: Arc<RecordKey>,
     owner: Uuid,
     fence: u64,
+    /// Set on the leases of claims the Redis store granted.
+    receipt: Option<Receipt>,
 }
 
 impl Lease {
     /// The lease `owner` holds on `record`, granted with `fence`.
+    ///
+    /// A lease made here, rather than by [`ClaimRequest::lease_with_fence`], does not know the
+    /// exact record a Redis store wrote: that store finalizes it with its scripts.
     pub fn new(record: RecordKey, owner: Uuid, fence: u64) -> Self {
         Self {
             record: Arc::new(record),
             owner,
             fence,
+            receipt: None,
         }
     }
 
@@ -451,6 +505,12 @@ impl Lease {
     /// The fence the claim was granted with: it grows with every claim and reclaim of the key.
     pub fn fence(&self) -> u64 {
         self.fence
+    }
+
+    /// What the Redis store wrote for this lease's claim, if it granted it.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn receipt(&self) -> Option<&Receipt> {
+        self.receipt.as_ref()
     }
 }
 

@@ -142,6 +142,57 @@ impl RedisServer {
         let pid = self.child.as_ref().expect("server is running").id();
         signal_pid(pid, signal);
     }
+
+    async fn admin(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+
+    /// Whether the server has `SET … IFEQ` (Valkey 8.1, Redis 8.4), asked of a key that does
+    /// not exist, so nothing is written either way.
+    pub async fn has_set_ifeq(&self) -> bool {
+        redis::cmd("SET")
+            .arg("probe:set-ifeq")
+            .arg("v")
+            .arg("IFEQ")
+            .arg("w")
+            .query_async::<redis::Value>(&mut self.admin().await)
+            .await
+            .is_ok()
+    }
+
+    /// Zeroes the server's command counts (`CONFIG RESETSTAT`).
+    pub async fn reset_stats(&self) {
+        let () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query_async(&mut self.admin().await)
+            .await
+            .unwrap();
+    }
+
+    /// How many times the server ran `command` (lower case) since the last reset, the calls
+    /// that failed left out (`INFO commandstats`).
+    pub async fn calls(&self, command: &str) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut self.admin().await)
+            .await
+            .unwrap();
+        let field = |stats: &str, name: &str| -> u64 {
+            stats
+                .split(',')
+                .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+                .map_or(0, |value| value.parse().unwrap())
+        };
+        info.lines()
+            .find_map(|line| line.trim().strip_prefix(&format!("cmdstat_{command}:")))
+            .map_or(0, |stats| {
+                field(stats, "calls") - field(stats, "failed_calls")
+            })
+    }
 }
 
 impl Drop for RedisServer {

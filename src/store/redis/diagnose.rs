@@ -53,7 +53,7 @@ impl RedisStore {
         };
         match self.info(node, "server").await {
             Ok(server) => {
-                let commands = self.compare_and_set(node).await;
+                let commands = self.conditional_deletes(node).await;
                 let (severity, message) = version(&server, &commands);
                 diagnosis.push(severity, STORE, "version", format!("{on}{message}"));
             }
@@ -83,7 +83,7 @@ impl RedisStore {
     }
 
     /// Which of `DELIFEQ` and `DELEX` the server knows (`COMMAND INFO` answers nil for others).
-    async fn compare_and_set(&self, node: &Node) -> Vec<&'static str> {
+    async fn conditional_deletes(&self, node: &Node) -> Vec<&'static str> {
         let names = ["DELIFEQ", "DELEX"];
         let reply = self
             .ask(node, &["COMMAND", "INFO", names[0], names[1]])
@@ -172,7 +172,11 @@ fn version(server: &Info, commands: &[&str]) -> (Severity, String) {
         true => "none".to_owned(),
         false => offers.join(", "),
     };
-    let message = format!("{name} {version}; compare-and-set commands: {offers}");
+    let finalizes = match set_ifeq {
+        true => "completion and renewal use SET IFEQ",
+        false => "every change runs a script",
+    };
+    let message = format!("{name} {version}; compare-and-set commands: {offers}; {finalizes}");
     if name == "Redis" && v < (6, 2, 0) {
         let fix = "the store needs Redis 6.2 or newer";
         return (Severity::Risk, format!("{message}: {fix}"));

@@ -1,15 +1,20 @@
-//! The Redis store: every state change is one ownership-checked Lua script.
+//! The Redis store: every state change is one ownership-checked Lua script, or, where the
+//! server compares and sets, one command on the exact record the claim wrote.
 
 mod diagnose;
 mod record;
 
 use std::{
-    sync::{Arc, LazyLock},
+    sync::{
+        Arc, LazyLock,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
 use ::redis::{
-    Client, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, Script, Value,
+    Client, Cmd, ErrorKind, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, Script,
+    ServerErrorKind, Value,
     aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
     cluster::{ClusterClient, ClusterClientBuilder},
     cluster_async::ClusterConnection,
@@ -31,8 +36,21 @@ use crate::StoredResponse;
 /// byte, the state, the fingerprint, the owner token, the fence and, once completed, the
 /// encoded response; about 70 bytes in flight. Each operation is one Lua script that touches
 /// only that key, so it works on Redis Cluster too: a claim returns the record there, or creates
-/// one, and the other scripts (shipped in `lua/`) check the owner token before any write. Leases and retention are Redis expiries (`PX`, `PEXPIRE`,
-/// `PTTL`), measured on the server's clock.
+/// one, and the other scripts (shipped in `lua/`) check the owner token before any write. Leases
+/// and retention are Redis expiries (`PX`, `PEXPIRE`, `PTTL`), measured on the server's clock.
+///
+/// # Compare-and-set where the server has it
+///
+/// On a server with `SET … IFEQ` (Valkey 8.1 and newer, Redis 8.4 and newer) completion and
+/// renewal are not scripts but one `SET` conditional on the whole in-flight record the claim
+/// wrote (layout, fingerprint, owner token and fence: a reclaimed or completed key never
+/// matches), which costs the server a fraction of a script (see `BENCHMARKS.md`). The claim
+/// stays a script (it reads before it writes, so a replay is one call), and so does release:
+/// `DELIFEQ` (Valkey 9.0) and `DELEX … IFEQ` (Redis 8.4) are not used yet. The records are the
+/// same either way. The store tries `IFEQ` first; a server that refuses it with an error (and
+/// so writes nothing) gets the scripts from then on, for the life of the store. A lease made
+/// with [`Lease::new`] rather than from its claim, which does not know the record's bytes, is
+/// finalized by the scripts.
 ///
 /// The connection reconnects by itself after a Redis restart, and every call is bounded by a
 /// timeout (250 ms by default), so a slow or stalled Redis surfaces as a [`StoreError::Timeout`]
@@ -64,6 +82,8 @@ pub struct RedisStore {
     backend: Backend,
     prefix: Arc<str>,
     timeout: Duration,
+    /// Set once the server refused `SET … IFEQ`: finalize with the scripts.
+    scripts_only: Arc<AtomicBool>,
 }
 
 /// Where the store's commands go.
@@ -262,6 +282,7 @@ impl RedisStore {
             backend,
             prefix: Arc::from("idempotency:"),
             timeout: DEFAULT_REDIS_TIMEOUT,
+            scripts_only: Arc::default(),
         }
     }
 
@@ -380,6 +401,55 @@ impl RedisStore {
             Ownership::Lost
         })
     }
+
+    /// Writes `next` (made from the record the lease's claim wrote) over that exact record, for
+    /// `millis`, with one `SET … IFEQ`. `None`: the lease does not know its record (no receipt),
+    /// or the server has no `IFEQ` (it refused the command, so nothing was written): the caller
+    /// runs its script.
+    async fn compare_and_set(
+        &self,
+        lease: &Lease,
+        next: impl FnOnce(&[u8]) -> Vec<u8>,
+        millis: u64,
+    ) -> Result<Option<Ownership>, StoreError> {
+        if self.scripts_only.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let Some(current) = lease.receipt().and_then(|receipt| {
+            record::in_flight(&receipt.fingerprint, lease.owner(), receipt.fence)
+        }) else {
+            return Ok(None);
+        };
+        let mut set = ::redis::cmd("SET");
+        set.arg(self.record_key(lease.record()))
+            .arg(next(&current))
+            .arg("IFEQ")
+            .arg(&current)
+            .arg("PX")
+            .arg(millis);
+        let reply = self
+            .call(async |connection| match set.query_async(connection).await {
+                Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::ResponseError) => {
+                    tracing::debug!(%error, "Redis has no SET … IFEQ: finalizing with scripts");
+                    Ok(None)
+                }
+                reply => reply.map(Some),
+            })
+            .await?;
+        match reply {
+            None => {
+                self.scripts_only.store(true, Ordering::Relaxed);
+                Ok(None)
+            }
+            Some(Value::Okay) => Ok(Some(Ownership::Held)),
+            Some(Value::Nil) => Ok(Some(Ownership::Lost)),
+            Some(other) => Err(StoreError::corrupt(
+                STORE,
+                lease.record(),
+                format!("unexpected SET … IFEQ reply {other:?}"),
+            )),
+        }
+    }
 }
 
 impl Store for RedisStore {
@@ -394,8 +464,12 @@ impl Store for RedisStore {
             let reply: Value = self
                 .call(async |connection| invocation.invoke_async(connection).await)
                 .await?;
-            parse_claim(reply, request)
-                .map_err(|reason| StoreError::corrupt(STORE, request.record(), reason))
+            let outcome = parse_claim(reply, request)
+                .map_err(|reason| StoreError::corrupt(STORE, request.record(), reason))?;
+            if let ClaimOutcome::Acquired { fence } = outcome {
+                request.note_written(fence);
+            }
+            Ok(outcome)
         })
     }
 
@@ -405,7 +479,14 @@ impl Store for RedisStore {
         duration: Duration,
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
-            let duration = millis(duration).to_string();
+            let duration = millis(duration);
+            if let Some(ownership) = self
+                .compare_and_set(lease, <[u8]>::to_vec, duration)
+                .await?
+            {
+                return Ok(ownership);
+            }
+            let duration = duration.to_string();
             self.owner_checked(&RENEW, lease, &[duration.as_bytes()])
                 .await
         })
@@ -419,7 +500,12 @@ impl Store for RedisStore {
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
             let encoded = response.encode();
-            let retention = millis(retention).to_string();
+            let retention = millis(retention);
+            let completed = |in_flight: &[u8]| record::completed(in_flight, &encoded);
+            if let Some(ownership) = self.compare_and_set(lease, completed, retention).await? {
+                return Ok(ownership);
+            }
+            let retention = retention.to_string();
             self.owner_checked(&COMPLETE, lease, &[&encoded, retention.as_bytes()])
                 .await
         })

@@ -36,6 +36,29 @@ pub(super) fn in_flight_head(fingerprint: &Fingerprint, owner: Uuid) -> Vec<u8> 
     head
 }
 
+/// The whole record claim.lua wrote for a claim it granted with `fence`: the head and the fence's
+/// 16 digits (ten of seconds, six of microseconds). `None` for a fence that is not 16 digits
+/// long, which claim.lua never writes.
+pub(super) fn in_flight(fingerprint: &Fingerprint, owner: Uuid, fence: u64) -> Option<Vec<u8>> {
+    let digits = fence.to_string();
+    if digits.len() != RESPONSE - FENCE {
+        return None;
+    }
+    let mut record = in_flight_head(fingerprint, owner);
+    record.extend_from_slice(digits.as_bytes());
+    Some(record)
+}
+
+/// The completed record an in-flight one becomes with `response` (encoded), as complete.lua
+/// writes it: the same head and fence, the completed state, the response after them.
+pub(super) fn completed(in_flight: &[u8], response: &[u8]) -> Vec<u8> {
+    let mut record = Vec::with_capacity(in_flight.len() + response.len());
+    record.extend_from_slice(in_flight);
+    record[STATE] = COMPLETED;
+    record.extend_from_slice(response);
+    record
+}
+
 /// A record read back.
 #[derive(Debug)]
 pub(super) struct Record<'a> {
@@ -137,5 +160,37 @@ mod tests {
         let parts = http::Request::post("/").body(()).unwrap().into_parts().0;
         let fingerprint = Fingerprint::of_request(&parts, &[], b"");
         assert_eq!(in_flight_head(&fingerprint, Uuid::nil()).len(), FENCE);
+    }
+
+    /// What the compare-and-set path writes is what the scripts write, and reads back the same.
+    #[test]
+    fn records_built_here_read_back_as_the_scripts_records() {
+        let parts = http::Request::post("/").body(()).unwrap().into_parts().0;
+        let fingerprint = Fingerprint::of_request(&parts, &[], b"");
+        let owner = Uuid::new_v4();
+        let fence = 1_795_968_561_227_110;
+        let in_flight = in_flight(&fingerprint, owner, fence).unwrap();
+        let record = Record::parse(&in_flight).unwrap();
+        assert!(record.matches(&fingerprint));
+        assert_eq!((record.owner, record.fence), (owner, fence));
+        assert_eq!(record.response(), Ok(None));
+
+        let response = StoredResponse::new(
+            http::StatusCode::CREATED,
+            http::HeaderMap::new(),
+            Some("done".into()),
+            None,
+        );
+        let completed = completed(&in_flight, &response.encode());
+        let record = Record::parse(&completed).unwrap();
+        assert!(record.matches(&fingerprint));
+        assert_eq!((record.owner, record.fence), (owner, fence));
+        assert_eq!(record.response(), Ok(Some(response)));
+        // Only the state byte differs up to the fence.
+        assert_eq!(completed[..STATE], in_flight[..STATE]);
+        assert_eq!(completed[FINGERPRINT..RESPONSE], in_flight[FINGERPRINT..]);
+
+        assert_eq!(in_flight_head(&fingerprint, owner).len(), FENCE);
+        assert!(super::in_flight(&fingerprint, owner, 12_345).is_none());
     }
 }
