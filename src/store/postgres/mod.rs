@@ -90,7 +90,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     ),
 ];
 
-/// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 16 ways:
+/// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 4 ways:
 /// `migrations/optional/partition_by_hash.sql`, which says when to use it. Not part of
 /// [`MIGRATOR`]: run it once after it (`sqlx::raw_sql(PARTITION_BY_HASH).execute(&pool)`), or
 /// copy the file into your migrations. Every statement of the store works on either table;
