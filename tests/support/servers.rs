@@ -64,6 +64,9 @@ pub struct RedisServer {
     pub port: u16,
     paused: bool,
     extra: Vec<String>,
+    /// The working directory of the running server: its own, so that what one server writes
+    /// (an append-only file, say) is never read by another (a Valkey's by a Redis).
+    dir: Option<PathBuf>,
 }
 
 impl RedisServer {
@@ -78,6 +81,7 @@ impl RedisServer {
             port: free_port(),
             paused: false,
             extra: extra.iter().map(|&a| a.to_owned()).collect(),
+            dir: None,
         };
         server.spawn().await;
         server
@@ -85,16 +89,19 @@ impl RedisServer {
 
     async fn spawn(&mut self) {
         let program = redis_server();
+        let dir = std::env::temp_dir().join(format!("redis-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
         let child = Command::new(&program)
             .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
             .args(["--save", "", "--appendonly", "no", "--dir"])
-            .arg(std::env::temp_dir())
+            .arg(&dir)
             .args(&self.extra)
             .stdout(Stdio::null())
             .stdin(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
         self.child = Some(child);
+        self.dir = Some(dir);
         let deadline = Instant::now() + Duration::from_secs(10);
         while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
             .await
@@ -115,6 +122,9 @@ impl RedisServer {
             self.resume();
             let _ = child.kill();
             let _ = child.wait();
+        }
+        if let Some(dir) = self.dir.take() {
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
 
