@@ -20,8 +20,9 @@
 -- a session takes 16 such locks cheaply (PostgreSQL's fast-path locks, up to version 17); past
 -- them each lock goes through the shared lock manager. With 4 partitions a lookup takes 14
 -- locks, all fast-path; with 16, 50, of which 34 are not. Measured side by side on
--- PostgreSQL 15 (BENCHMARKS.md, "Partitioned"): 4 partitions served 1.03-1.13x the plain
--- table's fresh keys, 16 partitions 0.75-1.09x. More partitions cost every statement more.
+-- PostgreSQL 15 (BENCHMARKS.md, "Partitioned, measured again"): 4 partitions served
+-- 0.92-1.13x the plain table's fresh keys, 16 partitions 0.75-1.09x. More partitions cost every
+-- statement more.
 
 DO $$
 DECLARE

@@ -35,9 +35,10 @@ const STALE_AFTER: Duration = Duration::from_secs(30);
 /// Why `plan_cache_mode = force_generic_plan`: on a hash-partitioned table (the optional
 /// migration) Postgres prices the generic plan as a scan of every partition, prefers a custom
 /// plan, and so plans every execution; forced, the generic plan prunes to one partition when it
-/// runs. Measured side by side (BENCHMARKS.md, "Partitioned"), the partitioned table went from
-/// 0.55x the plain one's fresh keys to 0.87x. On the plain table the generic plan is the one
-/// Postgres picks anyway, from the first execution instead of the sixth.
+/// runs. Measured side by side (BENCHMARKS.md, "Partitioned, measured again"), the partitioned
+/// table went from 0.63-0.65x the plain one's fresh keys to 0.75-1.09x with 16 partitions, and
+/// to 0.92-1.13x with the migration's 4. On the plain table the generic plan is the one Postgres
+/// picks anyway, from the first execution instead of the sixth.
 ///
 /// A connection is reused only after it answered: one that failed (other than with a database
 /// error, after which it is still in step) or whose statement was abandoned is closed. One that
