@@ -90,6 +90,8 @@ fn codec(c: &mut Criterion) {
     group.finish();
 }
 
+/// The route, made once as `axum::serve` makes it (`with_state`): a router left unmade boxes its
+/// handler and applies its layers again on every request.
 fn app(layer: Option<IdempotencyLayer>) -> Router {
     let handler = post(|_body: Bytes| async {
         (
@@ -98,10 +100,11 @@ fn app(layer: Option<IdempotencyLayer>) -> Router {
             ANSWER,
         )
     });
-    match layer {
+    let router = match layer {
         Some(layer) => Router::new().route("/payments", handler.route_layer(layer)),
         None => Router::new().route("/payments", handler),
-    }
+    };
+    router.with_state(())
 }
 
 async fn send(app: &Router, key: String, body: &Bytes) {

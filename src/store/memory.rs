@@ -286,7 +286,7 @@ impl State {
             return Err(StoreError::backend("memory", full));
         }
         self.last_fence += 1;
-        let record = Arc::new(request.record().clone());
+        let record = Arc::clone(request.shared_record());
         let expires_at = now + request.lease();
         self.expiries
             .push(Reverse((expires_at, hash, Arc::clone(&record))));

@@ -418,6 +418,11 @@ impl ClaimRequest {
         &self.record
     }
 
+    /// The record claimed, shared: a store that keeps it keeps this one, not a copy.
+    pub(crate) fn shared_record(&self) -> &Arc<RecordKey> {
+        &self.record
+    }
+
     /// The fingerprint of the request behind the claim.
     pub fn fingerprint(&self) -> &Fingerprint {
         &self.fingerprint
