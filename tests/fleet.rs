@@ -421,8 +421,7 @@ async fn a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_res
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_flushed_mid_run() {
     burst_during("redis-flushed", async |redis: &mut RedisServer| {
-        let client = redis::Client::open(redis.url()).unwrap();
-        let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+        let mut admin = redis.admin().await;
         for _ in 0..8 {
             tokio::time::sleep(Duration::from_millis(300)).await;
             let () = redis::cmd("FLUSHALL")

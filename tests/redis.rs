@@ -13,7 +13,7 @@ use std::{
 
 use axum::{Router, routing::post};
 use http::{HeaderMap, StatusCode};
-use support::{RedisServer, claim_request, eventually, redis_url};
+use support::{RedisServer, claim_request, eventually, redis_connection, redis_url};
 use tower::ServiceExt;
 use tower_idempotency::{
     IdempotencyLayer, StoredResponse,
@@ -33,14 +33,6 @@ fn ok_response() -> StoredResponse {
     StoredResponse::new(StatusCode::OK, HeaderMap::new(), Some("done".into()), None)
 }
 
-async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
 async fn flush_scripts(admin: &mut redis::aio::MultiplexedConnection) {
     let () = redis::cmd("SCRIPT")
         .arg("FLUSH")
@@ -53,7 +45,7 @@ async fn flush_scripts(admin: &mut redis::aio::MultiplexedConnection) {
 async fn script_flush_between_calls_changes_nothing() {
     let server = RedisServer::start().await;
     let store = store_on(&server.url());
-    let mut admin = raw(&server.url()).await;
+    let mut admin = server.admin().await;
     let request = claim_request("k-flush", Duration::from_secs(30));
 
     let ClaimOutcome::Acquired { fence } = store.claim(&request).await.unwrap() else {
@@ -199,7 +191,7 @@ async fn a_stalled_redis_times_out_within_the_bound() {
 async fn unreadable_records_are_errors_that_name_the_record() {
     let url = redis_url();
     let store = store_on(&url);
-    let mut admin = raw(&url).await;
+    let mut admin = redis_connection(&url).await;
     let request = claim_request("k-corrupt", Duration::from_secs(30));
     let key = store.record_key(request.record());
     let fingerprint = &request.fingerprint().as_bytes()[..];
@@ -254,7 +246,7 @@ async fn unreadable_records_are_errors_that_name_the_record() {
 async fn stored_records_expire_with_redis_clocks() {
     let url = redis_url();
     let store = store_on(&url);
-    let mut admin = raw(&url).await;
+    let mut admin = redis_connection(&url).await;
     let request = claim_request("k-ttl", Duration::from_millis(5_000));
     let key = store.record_key(request.record());
     let ClaimOutcome::Acquired { fence } = store.claim(&request).await.unwrap() else {

@@ -50,7 +50,6 @@ async fn the_front_completes_the_record_it_wrote_by_compare_and_set_where_it_can
         let (lease, response) = (acquire(&store, &request(key)).await, created());
         let completed = store.complete(&lease, &response, Duration::from_secs(3600));
         assert_eq!(completed.await.unwrap(), Ownership::Held);
-        lease
     };
     complete("k-warm-up").await;
     server.reset_stats().await;
@@ -95,11 +94,7 @@ async fn after_a_flush_the_authority_answers_and_redis_is_refilled() {
         Ownership::Held
     );
 
-    let mut admin = redis::Client::open(server.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut admin = server.admin().await;
     let () = redis::cmd("FLUSHALL")
         .query_async(&mut admin)
         .await
@@ -215,11 +210,7 @@ async fn a_claim_that_reaches_a_frozen_redis_late_never_hides_a_completed_key() 
         .complete(&lease, &created(), Duration::from_secs(3600))
         .await
         .unwrap();
-    let mut admin = redis::Client::open(server.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut admin = server.admin().await;
     let () = redis::cmd("FLUSHALL")
         .query_async(&mut admin)
         .await

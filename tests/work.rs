@@ -197,8 +197,7 @@ async fn consumers_that_die_or_stall_ship_each_order_once() {
     let mut consumers: Vec<Proc> = (0..3)
         .map(|_| Proc::worker("stream_consumer", &env))
         .collect();
-    let client = redis::Client::open(redis.url()).unwrap();
-    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let mut connection = redis.admin().await;
     let orders = 12;
     for n in 0..orders {
         let _: String = redis::cmd("XADD")

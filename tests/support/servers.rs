@@ -153,12 +153,9 @@ impl RedisServer {
         signal_pid(pid, signal);
     }
 
-    async fn admin(&self) -> redis::aio::MultiplexedConnection {
-        redis::Client::open(self.url())
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap()
+    /// A connection of the test's own to this server.
+    pub async fn admin(&self) -> redis::aio::MultiplexedConnection {
+        redis_connection(&self.url()).await
     }
 
     /// Whether the server has `SET … IFEQ` (Valkey 8.1, Redis 8.4), asked of a key that does
@@ -209,6 +206,15 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// A connection to the Redis at `url`, for a test to look or reach into it.
+pub async fn redis_connection(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
 }
 
 /// The machine's Redis, for tests that share it (under a unique prefix).
