@@ -184,6 +184,12 @@ async fn keep(engine: Arc<Engine>) {
 /// One renewal; schedules the next one, or marks the lease lost. A record locked by the
 /// handler's own fence transaction is tried again every 20 ms, so that the lease is fresh as
 /// soon as that transaction ends.
+///
+/// The next renewal is due a third of the lease after this one *started*, not after it
+/// answered: the lease it got runs from when the store saw it, so a slow store (a renewal that
+/// takes most of a third of the lease, or more) does not push every later renewal back by its
+/// own slowness. The key is kept as long as each renewal answers within the lease, not within
+/// two thirds of it.
 async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, length: Duration) {
     let still_held = |engine: &Engine| {
         engine.state.leases.lock().held[slot]
@@ -191,14 +197,16 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
             .is_some_and(|h| h.generation == generation)
     };
     let next = loop {
+        let started = Instant::now();
         let renewed = engine.renewal_store().renew(&lease, length);
         match engine.telemetry.timed("renew", renewed).await {
-            Ok(Ownership::Held) => break Some(period(length)),
+            Ok(Ownership::Held) => {}
             Ok(Ownership::Busy) => {
                 tokio::time::sleep(BUSY_RETRY.min(period(length))).await;
                 if !still_held(&engine) {
                     return;
                 }
+                continue;
             }
             Ok(_) => break None,
             Err(error) => {
@@ -207,8 +215,13 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
                     error = &error as &dyn std::error::Error,
                     "lease renewal failed; retrying"
                 );
-                break Some(period(length));
             }
+        }
+        let due = started + period(length);
+        // A renewal that took a period or more is followed at once, by this task: the keeper
+        // looks again only a period after it handed this one out.
+        if Instant::now() < due || !still_held(&engine) {
+            break Some(due);
         }
     };
     let mut state = engine.state.leases.lock();
@@ -220,7 +233,7 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
         return;
     };
     match next {
-        Some(after) => held.due = Some(Instant::now() + after),
+        Some(due) => held.due = Some(due),
         None => {
             held.lost = true;
             drop(state);

@@ -181,6 +181,11 @@ pub trait Store: Send + Sync + 'static {
     /// runtime is driven by that runtime, and stalls with it when its handlers block every
     /// worker. `None` (the default) for a store that does no I/O, or cannot: renewals then use
     /// the store itself.
+    ///
+    /// A store that wraps another (to count, trace or fault its calls) forwards this, wrapped
+    /// again if its renewals must go through the wrapper too; left at `None`, renewals go
+    /// through the wrapper and the inner store's connections, which the application's runtime
+    /// drives.
     fn detached(&self) -> Option<Arc<dyn Store>> {
         None
     }

@@ -40,8 +40,55 @@ impl<S: Store> Store for FrozenRenewals<S> {
     }
 }
 
+/// A store whose renewals answer `delay` late (a slow network, a store with a queue): the store
+/// itself renews when asked, and the answer comes later. Never detached, so that the layer's
+/// renewals go through the delay.
+#[derive(Clone)]
+pub struct SlowRenewals<S> {
+    pub inner: S,
+    pub delay: Duration,
+}
+
+impl<S: Store> Store for SlowRenewals<S> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a store::ClaimRequest,
+    ) -> store::BoxFuture<'a, Result<store::ClaimOutcome, store::StoreError>> {
+        self.inner.claim(request)
+    }
+
+    fn renew<'a>(
+        &'a self,
+        lease: &'a store::Lease,
+        duration: Duration,
+    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
+        Box::pin(async move {
+            let renewed = self.inner.renew(lease, duration).await;
+            tokio::time::sleep(self.delay).await;
+            renewed
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        lease: &'a store::Lease,
+        response: &'a tower_idempotency::StoredResponse,
+        retention: Duration,
+    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
+        self.inner.complete(lease, response, retention)
+    }
+
+    fn release<'a>(
+        &'a self,
+        lease: &'a store::Lease,
+    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
+        self.inner.release(lease)
+    }
+}
+
 /// A store whose `complete` fails while `failing` is set, as a store that cannot take a write
-/// would; every other operation goes through.
+/// would; every other operation goes through, renewals on the inner store's detached twin as
+/// the inner store's own would.
 #[derive(Clone)]
 pub struct FailingCompletes<S> {
     pub inner: S,
@@ -86,6 +133,10 @@ impl<S: Store> Store for FailingCompletes<S> {
         lease: &'a store::Lease,
     ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
         self.inner.release(lease)
+    }
+
+    fn detached(&self) -> Option<std::sync::Arc<dyn Store>> {
+        self.inner.detached()
     }
 }
 
