@@ -1,6 +1,7 @@
 //! The layer's own CPU work, in process: key parsing, fingerprints, the stored-response codec,
 //! and whole requests through an axum route without the layer, with it (fresh keys and
-//! replays, on the memory store), and with a 64 KiB body next to the SHA-256 of 64 KiB.
+//! replays, on the memory store; fresh keys again with a Prometheus recorder), and with a 64 KiB
+//! body next to the SHA-256 of 64 KiB.
 //!
 //! ```sh
 //! cargo bench --bench cpu
@@ -141,6 +142,18 @@ fn requests(c: &mut Criterion) {
                 send(&layered, key, &body)
             })
         });
+        if size == 1024 {
+            // The same with a Prometheus recorder, as in an app that exports the crate's metrics.
+            let recorder = prometheus();
+            group.bench_function(BenchmarkId::new("fresh key, recorded", size), |b| {
+                b.iter(|| {
+                    let key = format!("fresh-{}", fresh.fetch_add(1, Relaxed));
+                    metrics::with_local_recorder(&recorder, || {
+                        runtime.block_on(send(&layered, key, &body))
+                    })
+                })
+            });
+        }
         runtime.block_on(send(&layered, "replayed".into(), &body));
         group.bench_function(BenchmarkId::new("replay", size), |b| {
             b.to_async(&runtime)
@@ -148,6 +161,18 @@ fn requests(c: &mut Criterion) {
         });
     }
     group.finish();
+}
+
+/// A Prometheus recorder with the crate's histogram buckets, as the payments example builds it.
+fn prometheus() -> metrics_exporter_prometheus::PrometheusRecorder {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    let mut builder = PrometheusBuilder::new();
+    for (name, buckets) in tower_idempotency::telemetry::HISTOGRAMS {
+        builder = builder
+            .set_buckets_for_metric(Matcher::Full(name.into()), buckets)
+            .unwrap();
+    }
+    builder.build_recorder()
 }
 
 criterion_group!(benches, keys, fingerprints, codec, requests);

@@ -52,6 +52,11 @@ pub enum IdempotencyOutcome {
 }
 
 impl IdempotencyOutcome {
+    /// How many outcomes there are: the last one's discriminant, plus one (`HandlerFailed` stays
+    /// the last variant).
+    #[cfg(feature = "metrics")]
+    pub(crate) const COUNT: usize = Self::HandlerFailed as usize + 1;
+
     /// A stable, lowercase name: `executed`, `replayed`, `in_flight`, …
     pub fn as_str(&self) -> &'static str {
         match self {

@@ -195,15 +195,52 @@ pub(crate) fn register_layer_metrics(store: &'static str) {
         }
         metrics::gauge!("idempotency_claims_held").increment(0.0);
         for operation in STORE_OPERATIONS {
-            metrics::counter!("idempotency_store_errors_total", "operation" => operation, "store" => store)
+            metrics::counter!("idempotency_store_errors_total", "operation" => operation.as_str(), "store" => store)
                 .increment(0);
         }
     }
 }
 
-/// The store calls the layer makes, as the `operation` label names them.
+/// The store calls whose error counters are registered at zero.
 #[cfg(feature = "metrics")]
-const STORE_OPERATIONS: [&str; 4] = ["claim", "renew", "complete", "release"];
+const STORE_OPERATIONS: [Operation; 4] = [
+    Operation::Claim,
+    Operation::Renew,
+    Operation::Complete,
+    Operation::Release,
+];
+
+/// A store call the layer times (`operation` label of the store call metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Operation {
+    Claim,
+    Adopt,
+    Renew,
+    Complete,
+    Release,
+}
+
+#[cfg(feature = "metrics")]
+impl Operation {
+    const ALL: [Self; 5] = [
+        Self::Claim,
+        Self::Adopt,
+        Self::Renew,
+        Self::Complete,
+        Self::Release,
+    ];
+
+    /// The `operation` label.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Claim => "claim",
+            Self::Adopt => "adopt",
+            Self::Renew => "renew",
+            Self::Complete => "complete",
+            Self::Release => "release",
+        }
+    }
+}
 
 /// Registers a tiered store's metrics (the breaker closed, no fallbacks yet).
 pub(crate) fn register_tiered_metrics() {
@@ -228,7 +265,7 @@ pub(crate) fn register_tiered_metrics() {
                 .increment(0);
         }
         for operation in STORE_OPERATIONS {
-            metrics::counter!("idempotency_front_fallbacks_total", "operation" => operation)
+            metrics::counter!("idempotency_front_fallbacks_total", "operation" => operation.as_str())
                 .increment(0);
         }
     }
@@ -262,12 +299,19 @@ pub(crate) fn client_retry_denied() {
 #[derive(Debug, Clone)]
 pub(crate) struct Telemetry {
     counters: Arc<Counters>,
-    store: &'static str,
+    #[cfg(feature = "metrics")]
+    keys: Arc<Keys>,
 }
 
 impl Telemetry {
     pub(crate) fn new(counters: Arc<Counters>, store: &'static str) -> Self {
-        Self { counters, store }
+        #[cfg(not(feature = "metrics"))]
+        let _ = store;
+        Self {
+            counters,
+            #[cfg(feature = "metrics")]
+            keys: Arc::new(Keys::new(store)),
+        }
     }
 
     /// The counters this records to.
@@ -280,8 +324,7 @@ impl Telemetry {
     pub(crate) fn answered(&self, outcome: IdempotencyOutcome) {
         use IdempotencyOutcome as O;
         #[cfg(feature = "metrics")]
-        metrics::counter!("idempotency_requests_total", "outcome" => outcome.as_str(), "store" => self.store)
-            .increment(1);
+        facade::counter(self.keys.request(outcome)).increment(1);
         let c = &self.counters;
         let counter = match outcome {
             O::Executed => return,
@@ -344,7 +387,7 @@ impl Telemetry {
     /// How long a handler ran.
     pub(crate) fn handler_took(&self, took: Duration) {
         #[cfg(feature = "metrics")]
-        metrics::histogram!("idempotency_handler_seconds", "store" => self.store).record(took);
+        facade::histogram(&self.keys.handler).record(took);
         #[cfg(not(feature = "metrics"))]
         let _ = took;
     }
@@ -352,35 +395,93 @@ impl Telemetry {
     /// Runs a store call, timing it and counting it if it fails.
     pub(crate) async fn timed<T, E>(
         &self,
-        operation: &'static str,
+        operation: Operation,
         call: impl std::future::Future<Output = Result<T, E>>,
     ) -> Result<T, E> {
-        timed(operation, self.store, call).await
+        #[cfg(feature = "metrics")]
+        {
+            let started = std::time::Instant::now();
+            let result = call.await;
+            let (timing, errors) = &self.keys.calls[operation as usize];
+            facade::histogram(timing).record(started.elapsed());
+            if result.is_err() {
+                facade::counter(errors).increment(1);
+            }
+            result
+        }
+        #[cfg(not(feature = "metrics"))]
+        {
+            let _ = operation;
+            call.await
+        }
     }
 }
 
-/// Runs a store call, timing it and counting it if it fails.
-async fn timed<T, E>(
-    operation: &'static str,
+/// The facade's keys for one layer's labelled events, made once per layer: a key made for each
+/// event (as the facade's macros make one whose labels are not literals) costs a vector of
+/// labels and a hash, on every request, whether or not a recorder is installed.
+#[cfg(feature = "metrics")]
+#[derive(Debug)]
+struct Keys {
     store: &'static str,
-    call: impl std::future::Future<Output = Result<T, E>>,
-) -> Result<T, E> {
-    #[cfg(feature = "metrics")]
-    {
-        let started = std::time::Instant::now();
-        let result = call.await;
-        metrics::histogram!("idempotency_store_call_seconds", "operation" => operation, "store" => store)
-            .record(started.elapsed());
-        if result.is_err() {
-            metrics::counter!("idempotency_store_errors_total", "operation" => operation, "store" => store)
-                .increment(1);
+    /// `idempotency_requests_total` by outcome, made on first use.
+    requests: [std::sync::OnceLock<metrics::Key>; IdempotencyOutcome::COUNT],
+    /// `idempotency_handler_seconds`.
+    handler: metrics::Key,
+    /// `idempotency_store_call_seconds` and `idempotency_store_errors_total`, by operation.
+    calls: [(metrics::Key, metrics::Key); Operation::ALL.len()],
+}
+
+#[cfg(feature = "metrics")]
+impl Keys {
+    fn new(store: &'static str) -> Self {
+        use metrics::{Key, Label};
+        let call = |name: &'static str, operation: Operation| {
+            let labels = [("operation", operation.as_str()), ("store", store)];
+            Key::from_parts(
+                name,
+                labels.map(|(k, v)| Label::from_static_parts(k, v)).to_vec(),
+            )
+        };
+        Self {
+            store,
+            requests: Default::default(),
+            handler: Key::from_parts(
+                "idempotency_handler_seconds",
+                vec![Label::from_static_parts("store", store)],
+            ),
+            calls: Operation::ALL.map(|operation| {
+                (
+                    call("idempotency_store_call_seconds", operation),
+                    call("idempotency_store_errors_total", operation),
+                )
+            }),
         }
-        result
     }
-    #[cfg(not(feature = "metrics"))]
-    {
-        let _ = (operation, store);
-        call.await
+
+    fn request(&self, outcome: IdempotencyOutcome) -> &metrics::Key {
+        self.requests[outcome as usize].get_or_init(|| {
+            let labels = [("outcome", outcome.as_str()), ("store", self.store)];
+            let labels = labels.map(|(k, v)| metrics::Label::from_static_parts(k, v));
+            metrics::Key::from_parts("idempotency_requests_total", labels.to_vec())
+        })
+    }
+}
+
+/// Recording through keys made beforehand, as the facade's macros record through theirs.
+#[cfg(feature = "metrics")]
+mod facade {
+    use metrics::{Counter, Histogram, Key, Level, Metadata};
+
+    static METADATA: Metadata<'static> =
+        Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
+
+    pub(super) fn counter(key: &Key) -> Counter {
+        metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA))
+    }
+
+    pub(super) fn histogram(key: &Key) -> Histogram {
+        metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA))
     }
 }
 
@@ -473,6 +574,68 @@ impl fmt::Debug for Pseudonym<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The keys made beforehand carry the labels the macros gave: each operation's calls and
+    /// errors, and each outcome, under their own names.
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn events_are_recorded_under_their_own_labels() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let telemetry = Telemetry::new(Arc::default(), "memory");
+        let outcomes = [
+            IdempotencyOutcome::Executed,
+            IdempotencyOutcome::HandlerFailed,
+        ];
+        metrics::with_local_recorder(&recorder, || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap();
+            for (n, operation) in Operation::ALL.into_iter().enumerate() {
+                for _ in 0..=n {
+                    let failed = telemetry.timed(operation, async { Err::<(), ()>(()) });
+                    assert!(runtime.block_on(failed).is_err());
+                }
+            }
+            for outcome in outcomes {
+                telemetry.answered(outcome);
+            }
+        });
+        let recorded: Vec<_> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, _, _, value)| {
+                let key = key.key();
+                let labels: Vec<_> = key.labels().map(|l| (l.key(), l.value())).collect();
+                let count = match value {
+                    DebugValue::Counter(n) => n as usize,
+                    DebugValue::Histogram(values) => values.len(),
+                    DebugValue::Gauge(_) => 0,
+                };
+                (format!("{} {labels:?}", key.name()), count)
+            })
+            .collect();
+        let count = |name: &str, label: (&str, &str)| {
+            let wanted = format!("{name} [{label:?}, (\"store\", \"memory\")]");
+            let found = recorded.iter().find(|(key, _)| *key == wanted);
+            found
+                .map(|(_, n)| *n)
+                .unwrap_or_else(|| panic!("{wanted} in {recorded:?}"))
+        };
+        for (n, operation) in Operation::ALL.into_iter().enumerate() {
+            let label = ("operation", operation.as_str());
+            assert_eq!(count("idempotency_store_call_seconds", label), n + 1);
+            assert_eq!(count("idempotency_store_errors_total", label), n + 1);
+        }
+        for outcome in outcomes {
+            assert_eq!(
+                count("idempotency_requests_total", ("outcome", outcome.as_str())),
+                1
+            );
+        }
+    }
 
     #[test]
     fn pseudonyms_hide_the_value_and_stay_stable() {

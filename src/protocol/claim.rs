@@ -14,6 +14,7 @@ use crate::{
     body::ResponseBody,
     problem::Rejection,
     store::{ClaimOutcome, ClaimRequest, RecordKey, StoreError},
+    telemetry::Operation,
 };
 
 /// What a claim ends in when the handler does not run: the answer, or nothing when the caller
@@ -54,7 +55,10 @@ pub(super) async fn claim_once(
     claim: &ClaimRequest,
 ) -> Result<ClaimOutcome, StoreError> {
     let store = &engine.settings.store;
-    let outcome = engine.telemetry.timed("claim", store.claim(claim)).await;
+    let outcome = engine
+        .telemetry
+        .timed(Operation::Claim, store.claim(claim))
+        .await;
     match (outcome, &engine.settings.recovery) {
         (Ok(ClaimOutcome::Orphaned), Some(recover)) => {
             Box::pin(recovered(engine, claim, &**recover)).await
@@ -78,7 +82,7 @@ async fn recovered(
     let settings = &engine.settings;
     let stored = settings.store_rules.record(&response);
     let adopt = settings.store.adopt(claim, &stored, settings.retention);
-    match engine.telemetry.timed("adopt", adopt).await {
+    match engine.telemetry.timed(Operation::Adopt, adopt).await {
         Ok(true) => {
             tracing::info!(
                 "stored the answer the recovery hook rebuilt for a key committed without one"
@@ -93,7 +97,7 @@ async fn recovered(
         Ok(false) => {
             engine
                 .telemetry
-                .timed("claim", settings.store.claim(claim))
+                .timed(Operation::Claim, settings.store.claim(claim))
                 .await
         }
         Err(error) => {

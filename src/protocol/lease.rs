@@ -11,6 +11,7 @@ use super::Engine;
 use crate::{
     Completion, StoredResponse,
     store::{Lease, Ownership, StoreError},
+    telemetry::Operation,
 };
 
 /// How soon a renewal that found the record locked (by the handler's own fence transaction)
@@ -199,7 +200,7 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
     let next = loop {
         let started = Instant::now();
         let renewed = engine.renewal_store().renew(&lease, length);
-        match engine.telemetry.timed("renew", renewed).await {
+        match engine.telemetry.timed(Operation::Renew, renewed).await {
             Ok(Ownership::Held) => {}
             Ok(Ownership::Busy) => {
                 tokio::time::sleep(BUSY_RETRY.min(period(length))).await;
@@ -335,13 +336,16 @@ async fn finalize_once(
     let store = &settings.store;
     let complete = || {
         telemetry.timed(
-            "complete",
+            Operation::Complete,
             store.complete(lease, response, settings.retention),
         )
     };
     let ownership = match completion {
         Completion::Complete => complete().await?,
-        Completion::Release => match telemetry.timed("release", store.release(lease)).await? {
+        Completion::Release => match telemetry
+            .timed(Operation::Release, store.release(lease))
+            .await?
+        {
             Ownership::Committed => complete().await?,
             Ownership::Held => {
                 telemetry.finalized(false);
