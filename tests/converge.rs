@@ -22,7 +22,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::post,
 };
-use support::{Answer, FailingCompletes, SlowRenewals, TestSchema, call};
+use support::{Answer, Faulty, StoreFault, TestSchema, call};
 use tower_idempotency::{
     IdempotencyClaim, IdempotencyLayer, problem,
     store::{MemoryStore, PostgresStore},
@@ -102,9 +102,9 @@ async fn a_handler_that_blocks_its_worker_past_the_lease_keeps_its_key() {
 async fn a_store_that_cannot_finalize_keeps_the_key_until_it_can() {
     let schema = TestSchema::new().await;
     let failing = Arc::new(AtomicBool::new(true));
-    let store = FailingCompletes {
+    let store = Faulty {
         inner: PostgresStore::new(schema.pool.clone()),
-        failing: Arc::clone(&failing),
+        fault: StoreFault::FailingCompletes(Arc::clone(&failing)),
     };
     // Renewed every 100 ms: the key is lost only if the renewals stall for a whole 300 ms. A
     // 200 ms lease once ran out on a loaded CI machine (a retry ran the handler again).
@@ -113,18 +113,7 @@ async fn a_store_that_cannot_finalize_keeps_the_key_until_it_can() {
     let layer = IdempotencyLayer::new(store)
         .with_lease(lease)
         .with_wait(Duration::ZERO);
-    let app = Router::new()
-        .route(
-            "/payments",
-            post(
-                |State(effects): State<Effects>, claim: IdempotencyClaim| async move {
-                    let count = effects.add(claim.key().as_str());
-                    (StatusCode::CREATED, format!("effect {count}"))
-                },
-            ),
-        )
-        .layer(layer.clone())
-        .with_state(effects.clone());
+    let app = counting_app(&layer, &effects, Duration::ZERO);
 
     let first = call(&app, post_key("k-finalize")).await;
     assert_eq!(
@@ -162,27 +151,15 @@ async fn a_store_slow_to_answer_renewals_keeps_the_key() {
     // from the late answers would be 1.13 leases apart (200 ms without a lease, each time);
     // counted from when each started, the next one follows the answer at once, 300 ms early.
     let lease = Duration::from_millis(1500);
-    let store = SlowRenewals {
+    let store = Faulty {
         inner: MemoryStore::new(),
-        delay: Duration::from_millis(1200),
+        fault: StoreFault::LateRenewals(Duration::from_millis(1200)),
     };
     let effects = Effects::default();
     let layer = IdempotencyLayer::new(store)
         .with_lease(lease)
         .with_wait(Duration::ZERO);
-    let app = Router::new()
-        .route(
-            "/payments",
-            post(
-                |State(effects): State<Effects>, claim: IdempotencyClaim| async move {
-                    tokio::time::sleep(Duration::from_secs(4)).await;
-                    let count = effects.add(claim.key().as_str());
-                    (StatusCode::CREATED, format!("effect {count}"))
-                },
-            ),
-        )
-        .layer(layer.clone())
-        .with_state(effects.clone());
+    let app = counting_app(&layer, &effects, Duration::from_secs(4));
 
     let first = tokio::spawn({
         let app = app.clone();
@@ -208,6 +185,22 @@ async fn a_store_slow_to_answer_renewals_keeps_the_key() {
     );
     assert_eq!(effects.of("k-slow"), 1);
     assert_eq!(layer.counters().snapshot().leases_lost, 0);
+}
+
+/// The payments route behind `layer`: after `work`, the handler counts an effect for its key
+/// and answers with the count.
+fn counting_app(layer: &IdempotencyLayer, effects: &Effects, work: Duration) -> Router {
+    let handler = move |State(effects): State<Effects>, claim: IdempotencyClaim| async move {
+        if !work.is_zero() {
+            tokio::time::sleep(work).await;
+        }
+        let count = effects.add(claim.key().as_str());
+        (StatusCode::CREATED, format!("effect {count}"))
+    };
+    Router::new()
+        .route("/payments", post(handler))
+        .layer(layer.clone())
+        .with_state(effects.clone())
 }
 
 async fn eventually_replayed(app: &Router, key: &str) -> Answer {

@@ -25,7 +25,7 @@ use axum::{
 };
 use bytes::Bytes;
 use http_body_util::{BodyExt, StreamBody};
-use support::{Answer, FrozenRenewals};
+use support::{Answer, Faulty, StoreFault};
 use tokio::sync::{Notify, Semaphore};
 use tower::{Service, ServiceExt};
 use tower_idempotency::{
@@ -765,10 +765,13 @@ async fn a_live_handler_keeps_its_lease_past_the_lease_length() {
 #[tokio::test]
 async fn a_stalled_owner_loses_its_lease_and_its_finalize_changes_nothing() {
     let probe = Probe::gated();
-    let store = FrozenRenewals(MemoryStore::new());
+    let store = Faulty {
+        inner: MemoryStore::new(),
+        fault: StoreFault::FrozenRenewals,
+    };
     let stalled_layer = IdempotencyLayer::new(store.clone()).with_lease(Duration::from_millis(200));
     let stalled = app(&stalled_layer, &probe);
-    let healthy = app(&IdempotencyLayer::new(store.0.clone()), &Probe::open());
+    let healthy = app(&IdempotencyLayer::new(store.inner.clone()), &Probe::open());
 
     let first = tokio::spawn({
         let stalled = stalled.clone();

@@ -17,7 +17,7 @@ use axum::{
     routing::post,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
-use support::{Answer, FrozenRenewals, RedisServer, TestSchema, call};
+use support::{Answer, Faulty, RedisServer, StoreFault, TestSchema, call};
 use tokio::sync::Semaphore;
 use tower_idempotency::{
     IdempotencyClaim, IdempotencyLayer, IdempotencyOutcome, MemoryStore,
@@ -532,7 +532,10 @@ fn an_unknown_outcome_and_an_unstored_response_are_outcomes_of_their_own() {
         // as when its instance dies): once its lease and the grace after it are over, the key's
         // outcome is unknown.
         let schema = TestSchema::new().await;
-        let store = FrozenRenewals(PostgresStore::new(schema.pool.clone()));
+        let store = Faulty {
+            inner: PostgresStore::new(schema.pool.clone()),
+            fault: StoreFault::FrozenRenewals,
+        };
         let layer = IdempotencyLayer::new(store)
             .with_lease(Duration::from_millis(200))
             .with_wait(Duration::ZERO);

@@ -23,8 +23,8 @@ use http::HeaderMap;
 use http_body_util::BodyExt;
 use sqlx::PgPool;
 use support::{
-    Fault, FaultProxy, FrozenRenewals, PgCluster, TestSchema, acquire, claim_request, database_url,
-    pool_in_schema, schema_options,
+    Fault, FaultProxy, Faulty, PgCluster, StoreFault, TestSchema, acquire, claim_request,
+    database_url, pool_in_schema, schema_options,
 };
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceExt;
@@ -257,8 +257,11 @@ async fn a_stalled_handler_that_lost_its_lease_cannot_commit_a_second_payment() 
         stalled: Notify::new(),
         unstall: Semaphore::new(0),
     });
-    let stalled_layer =
-        IdempotencyLayer::new(FrozenRenewals(store.clone())).with_lease(Duration::from_millis(300));
+    let stalled_layer = IdempotencyLayer::new(Faulty {
+        inner: store.clone(),
+        fault: StoreFault::FrozenRenewals,
+    })
+    .with_lease(Duration::from_millis(300));
     let stalled = payments_app(stalled_layer.clone(), &state);
     let healthy = payments_app(IdempotencyLayer::new(store.clone()), &state);
 

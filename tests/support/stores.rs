@@ -2,54 +2,28 @@
 
 use super::*;
 
-/// A store whose renewals never arrive, like an instance frozen by a long pause: its leases run
-/// out while its handlers still run.
+/// A store that misbehaves on purpose in one way (its [`StoreFault`]); every other call goes to
+/// `inner`.
 #[derive(Clone)]
-pub struct FrozenRenewals<S>(pub S);
-
-impl<S: Store> Store for FrozenRenewals<S> {
-    fn claim<'a>(
-        &'a self,
-        request: &'a store::ClaimRequest,
-    ) -> store::BoxFuture<'a, Result<store::ClaimOutcome, store::StoreError>> {
-        self.0.claim(request)
-    }
-
-    fn renew<'a>(
-        &'a self,
-        _: &'a store::Lease,
-        _: Duration,
-    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
-        Box::pin(async { Ok(store::Ownership::Held) })
-    }
-
-    fn complete<'a>(
-        &'a self,
-        lease: &'a store::Lease,
-        response: &'a tower_idempotency::StoredResponse,
-        retention: Duration,
-    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
-        self.0.complete(lease, response, retention)
-    }
-
-    fn release<'a>(
-        &'a self,
-        lease: &'a store::Lease,
-    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
-        self.0.release(lease)
-    }
-}
-
-/// A store whose renewals answer `delay` late (a slow network, a store with a queue): the store
-/// itself renews when asked, and the answer comes later. Never detached, so that the layer's
-/// renewals go through the delay.
-#[derive(Clone)]
-pub struct SlowRenewals<S> {
+pub struct Faulty<S> {
     pub inner: S,
-    pub delay: Duration,
+    pub fault: StoreFault,
 }
 
-impl<S: Store> Store for SlowRenewals<S> {
+/// How a [`Faulty`] store misbehaves.
+#[derive(Clone)]
+pub enum StoreFault {
+    /// Renewals never arrive, like an instance frozen by a long pause: leases run out while
+    /// their handlers still run.
+    FrozenRenewals,
+    /// Renewals answer this late (a slow network, a store with a queue): the store renews when
+    /// asked, and the answer comes later.
+    LateRenewals(Duration),
+    /// `complete` fails while this is set, as a store that cannot take a write would.
+    FailingCompletes(std::sync::Arc<std::sync::atomic::AtomicBool>),
+}
+
+impl<S: Store> Store for Faulty<S> {
     fn claim<'a>(
         &'a self,
         request: &'a store::ClaimRequest,
@@ -62,11 +36,15 @@ impl<S: Store> Store for SlowRenewals<S> {
         lease: &'a store::Lease,
         duration: Duration,
     ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
-        Box::pin(async move {
-            let renewed = self.inner.renew(lease, duration).await;
-            tokio::time::sleep(self.delay).await;
-            renewed
-        })
+        match &self.fault {
+            StoreFault::FrozenRenewals => Box::pin(async { Ok(store::Ownership::Held) }),
+            StoreFault::LateRenewals(delay) => Box::pin(async move {
+                let renewed = self.inner.renew(lease, duration).await;
+                tokio::time::sleep(*delay).await;
+                renewed
+            }),
+            StoreFault::FailingCompletes(_) => self.inner.renew(lease, duration),
+        }
     }
 
     fn complete<'a>(
@@ -75,49 +53,9 @@ impl<S: Store> Store for SlowRenewals<S> {
         response: &'a tower_idempotency::StoredResponse,
         retention: Duration,
     ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
-        self.inner.complete(lease, response, retention)
-    }
-
-    fn release<'a>(
-        &'a self,
-        lease: &'a store::Lease,
-    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
-        self.inner.release(lease)
-    }
-}
-
-/// A store whose `complete` fails while `failing` is set, as a store that cannot take a write
-/// would; every other operation goes through, renewals on the inner store's detached twin as
-/// the inner store's own would.
-#[derive(Clone)]
-pub struct FailingCompletes<S> {
-    pub inner: S,
-    pub failing: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl<S: Store> Store for FailingCompletes<S> {
-    fn claim<'a>(
-        &'a self,
-        request: &'a store::ClaimRequest,
-    ) -> store::BoxFuture<'a, Result<store::ClaimOutcome, store::StoreError>> {
-        self.inner.claim(request)
-    }
-
-    fn renew<'a>(
-        &'a self,
-        lease: &'a store::Lease,
-        duration: Duration,
-    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
-        self.inner.renew(lease, duration)
-    }
-
-    fn complete<'a>(
-        &'a self,
-        lease: &'a store::Lease,
-        response: &'a tower_idempotency::StoredResponse,
-        retention: Duration,
-    ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
-        if self.failing.load(std::sync::atomic::Ordering::SeqCst) {
+        if let StoreFault::FailingCompletes(failing) = &self.fault
+            && failing.load(std::sync::atomic::Ordering::SeqCst)
+        {
             return Box::pin(async {
                 Err(store::StoreError::Backend {
                     store: "failing",
@@ -135,8 +73,13 @@ impl<S: Store> Store for FailingCompletes<S> {
         self.inner.release(lease)
     }
 
+    /// The inner store's detached twin, as the inner store's own renewals would use, unless the
+    /// fault is in the renewals: then they go through it.
     fn detached(&self) -> Option<std::sync::Arc<dyn Store>> {
-        self.inner.detached()
+        match self.fault {
+            StoreFault::FailingCompletes(_) => self.inner.detached(),
+            StoreFault::FrozenRenewals | StoreFault::LateRenewals(_) => None,
+        }
     }
 }
 
