@@ -20,6 +20,7 @@
 //! | `idempotency_claims_held` | gauge | | keys this instance holds right now (handlers running, finalizes retried) |
 //! | `idempotency_waits_total` | counter | | requests that found their key in flight and waited |
 //! | `idempotency_leases_lost_total` | counter | | leases found in another owner's hands (the stale owner wrote nothing) |
+//! | `idempotency_grants_lapsed_total` | counter | | claims granted whose lease ran out before this process could act on them (its runtime was blocked): not run, claimed again |
 //! | `idempotency_finalize_failures_total` | counter | | finalizes still failing after the quick retries (then retried with the key held) |
 //! | `idempotency_front_fallbacks_total` | counter | `operation` | tiered store calls that went on without the front (skipped by the breaker, or failed) |
 //! | `idempotency_front_breaker_transitions_total` | counter | `to` (`open`, `closed`) | the tiered store's breaker opening and closing |
@@ -125,6 +126,10 @@ counters! {
     /// Renewals or finalizations refused because the lease had been lost: the stale owner wrote
     /// nothing. Worth an alert: lease too short, or instances stalling.
     leases_lost,
+    /// Claims the store granted whose lease ran out before this process could act on them (its
+    /// runtime was blocked when the answer came) while another attempt took the key: the work
+    /// did not run under them, and the key was claimed again.
+    grants_lapsed,
     /// Finalizations that still failed after the first quick retries: the response is then
     /// retried in the background, with the key held, until the finalize deadline.
     finalize_errors,
@@ -183,6 +188,10 @@ pub(crate) fn register_layer_metrics(store: &'static str) {
             (
                 "idempotency_leases_lost_total",
                 "leases found in another owner's hands",
+            ),
+            (
+                "idempotency_grants_lapsed_total",
+                "claims granted too late to act on (not run, claimed again)",
             ),
             (
                 "idempotency_finalize_failures_total",
@@ -365,6 +374,12 @@ impl Telemetry {
     pub(crate) fn lease_lost(&self) {
         self.counters.add(|c| &c.leases_lost);
         count("idempotency_leases_lost_total");
+    }
+
+    /// A grant lapsed before the work could start under it: claimed again.
+    pub(crate) fn grant_lapsed(&self) {
+        self.counters.add(|c| &c.grants_lapsed);
+        count("idempotency_grants_lapsed_total");
     }
 
     /// A finalize still failing after the quick retries: retried with the key held.

@@ -125,6 +125,13 @@ pub enum WorkError<E> {
     /// The key was first used with another payload.
     #[error("this key was first used with another payload")]
     Mismatch,
+    /// This delivery ran the work, but its lease ran out meanwhile and another delivery took
+    /// the unit over; the key was free again when this one looked for its outcome (the other
+    /// failed, or the record was swept). This delivery's value was not stored and is not the
+    /// unit's: leave the message for the broker to redeliver; a fenced write of this one
+    /// never committed.
+    #[error("another delivery took this unit over while it ran; its outcome is not this one's")]
+    Superseded,
     /// An earlier delivery committed its writes and then died, or failed, before its outcome
     /// was stored: the work will not run again, and there is no outcome to give.
     #[error("an earlier delivery committed its writes but left no outcome; it will not run again")]
@@ -190,6 +197,12 @@ impl Once {
     /// Runs `work` for `unit` unless an earlier delivery did: this delivery's outcome, or the
     /// stored one. `work` gets the unit's claim (to fence its writes); its error releases the
     /// key for the next delivery (unless it committed through the fence).
+    ///
+    /// The work starts only under a lease the store still confirms: a grant this process saw
+    /// after its lease ran out (its runtime was blocked) is given up if another delivery took
+    /// the unit meanwhile. A delivery whose lease another took over while its work ran gets the
+    /// unit's outcome (the other's, `replayed`), never its own value, which was not stored; or
+    /// [`WorkError::Superseded`] when the key was free again.
     pub async fn run<T, E, F, Fut>(&self, unit: Unit, work: F) -> Result<Done<T>, WorkError<E>>
     where
         T: Serialize + DeserializeOwned,
@@ -231,6 +244,7 @@ impl Once {
         let delivered = deliver(&self.engine, unit.record, unit.fingerprint, wait, encoded);
         match tracing::Instrument::instrument(delivered, span).await {
             Delivered::Executed(bytes) => decode(bytes, false),
+            Delivered::Superseded => Err(WorkError::Superseded),
             Delivered::Replayed(bytes) => decode(bytes, true),
             Delivered::Failed(Encoded::Work(error)) => Err(WorkError::Failed(error)),
             Delivered::Failed(Encoded::Json(error)) => Err(WorkError::Outcome(error)),

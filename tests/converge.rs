@@ -367,20 +367,7 @@ async fn blocks_the_only_thread(
             .with_state(effects)
     };
     // Instance A: a current-thread runtime of its own, serving over TCP.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.set_nonblocking(true).unwrap();
-    let url = format!("http://{}/payments", listener.local_addr().unwrap());
-    let instance_a = app(effects.clone());
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            axum::serve(listener, instance_a).await.unwrap();
-        });
-    });
+    let url = serve_on_a_runtime_of_its_own(app(effects.clone()), Flavor::CurrentThread);
     // Instance B: on this runtime, a layer of its own on the same store.
     let instance_b = app(effects.clone());
     let keys = 3;
@@ -407,4 +394,135 @@ async fn blocks_the_only_thread(
          keys, second executions {second_runs}"
     );
     assert_eq!(second_runs, 0);
+}
+
+/// The runtime an instance runs on.
+#[derive(Debug, Clone, Copy)]
+enum Flavor {
+    CurrentThread,
+    MultiThread,
+}
+
+/// Serves `app` over TCP from a thread with a runtime of its own (an instance the test's
+/// runtime cannot help or hinder): the URL of its payments route.
+fn serve_on_a_runtime_of_its_own(app: Router, flavor: Flavor) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let url = format!("http://{}/payments", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let runtime = match flavor {
+            Flavor::CurrentThread => tokio::runtime::Builder::new_current_thread(),
+            Flavor::MultiThread => {
+                let mut builder = tokio::runtime::Builder::new_multi_thread();
+                builder.worker_threads(2);
+                builder
+            }
+        }
+        .enable_all()
+        .build()
+        .unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            axum::serve(listener, app).await.unwrap();
+        });
+    });
+    url
+}
+
+/// The store grants instance A a key while A's runtime is blocked (2 s, lease 800 ms), so A
+/// sees the grant only after its lease ran out; instance B retries the key meanwhile and runs
+/// it. A must not act on its lapsed grant: the handler's effect happens once, and A's caller
+/// gets the key's answer (B's). Before grants were checked at the start of the work, A ran the
+/// handler a second time on every key.
+///
+/// `store` makes each instance a store of its own: connections made on one instance's runtime
+/// would stall with it, which is no instance's fate in a fleet.
+async fn a_grant_seen_after_its_lease(
+    stores: &str,
+    store: impl Fn() -> Arc<dyn tower_idempotency::store::Store>,
+    flavor: Flavor,
+) {
+    let lease = Duration::from_millis(800);
+    let effects = Effects::default();
+    let armed = Arc::new(AtomicBool::new(false));
+    let blocked = Faulty {
+        inner: store(),
+        fault: StoreFault::BlockedAfterGrant {
+            armed: Arc::clone(&armed),
+            pause: Duration::from_secs(2),
+        },
+    };
+    let layer_a = IdempotencyLayer::new(blocked).with_lease(lease);
+    let url =
+        serve_on_a_runtime_of_its_own(counting_app(&layer_a, &effects, Duration::ZERO), flavor);
+    let layer_b = IdempotencyLayer::from_shared_store(store()).with_lease(lease);
+    let instance_b = counting_app(&layer_b, &effects, Duration::ZERO);
+    let keys = 3;
+    let mut second_runs = 0;
+    for i in 0..keys {
+        let key = format!("lapsed-{i}-{}", uuid::Uuid::new_v4().simple());
+        armed.store(true, SeqCst);
+        let first = tokio::spawn({
+            let (url, key) = (url.clone(), key.clone());
+            async move {
+                let headers = [("idempotency-key", key.as_str())];
+                support::send(http::Method::POST, &url, &headers, "").await
+            }
+        });
+        // Past A's lease while A's runtime is still blocked on the grant.
+        tokio::time::sleep(lease + Duration::from_millis(400)).await;
+        let retry = call(&instance_b, post_key(&key)).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert_eq!(first.body, retry.body, "A's caller gets the key's answer");
+        second_runs += effects.of(&key) - 1;
+    }
+    let lapsed = layer_a.counters().snapshot().grants_lapsed;
+    println!(
+        "{stores}, {flavor:?}: a claim granted while the runtime was blocked 2 s (lease 800 ms): \
+         {keys} keys, second executions {second_runs}, grants given up {lapsed}"
+    );
+    assert_eq!(second_runs, 0);
+    assert_eq!(lapsed, keys as u64);
+    assert_eq!(layer_a.counters().snapshot().leases_lost, 0, "no work ran");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_on_postgres() {
+    let schema = TestSchema::new().await;
+    for flavor in [Flavor::CurrentThread, Flavor::MultiThread] {
+        let store = || {
+            Arc::new(PostgresStore::new(schema.pool.clone()))
+                as Arc<dyn tower_idempotency::store::Store>
+        };
+        a_grant_seen_after_its_lease("Postgres", store, flavor).await;
+    }
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_behind_redis() {
+    let schema = TestSchema::new().await;
+    let redis = support::RedisServer::start().await;
+    let url = redis.url();
+    let store = || {
+        let redis = tower_idempotency::store::RedisStore::open(&url).unwrap();
+        let postgres = PostgresStore::new(schema.pool.clone());
+        Arc::new(tower_idempotency::store::TieredStore::new(redis, postgres))
+            as Arc<dyn tower_idempotency::store::Store>
+    };
+    for flavor in [Flavor::CurrentThread, Flavor::MultiThread] {
+        a_grant_seen_after_its_lease("Redis in front of Postgres", store, flavor).await;
+    }
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_in_memory() {
+    let memory = MemoryStore::new();
+    for flavor in [Flavor::CurrentThread, Flavor::MultiThread] {
+        let store = || Arc::new(memory.clone()) as Arc<dyn tower_idempotency::store::Store>;
+        a_grant_seen_after_its_lease("memory", store, flavor).await;
+    }
 }

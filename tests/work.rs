@@ -13,7 +13,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use support::{Proc, RedisServer, TestSchema, database_url, url_in_schema};
+use support::{Faulty, Proc, RedisServer, StoreFault, TestSchema, database_url, url_in_schema};
 use tower_idempotency::{
     MemoryStore,
     work::{Once, Slot, Unit, WorkError},
@@ -111,6 +111,91 @@ async fn a_failed_unit_is_released_for_the_next_delivery() {
         .await
         .unwrap();
     assert_eq!((ran.value, ran.replayed), (7, false));
+}
+
+/// A delivery whose lease ran out while its work ran (its renewals froze) and whose unit another
+/// delivery took over and finished gets the unit's outcome, the other's: never its own value,
+/// which was not stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_superseded_delivery_gets_the_units_outcome_not_its_own() {
+    let lease = Duration::from_millis(200);
+    let memory = MemoryStore::new();
+    let frozen = Faulty {
+        inner: memory.clone(),
+        fault: StoreFault::FrozenRenewals,
+    };
+    let stalled = Once::new(frozen).with_lease(lease);
+    let healthy = Once::new(memory).with_lease(lease);
+    let (started, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let first = tokio::spawn({
+        let (started, release) = (Arc::clone(&started), Arc::clone(&release));
+        async move {
+            let work = |_| async move {
+                started.notify_one();
+                release.notified().await;
+                Ok::<_, std::io::Error>("first".to_owned())
+            };
+            stalled.run(unit("o-superseded", "{}"), work).await
+        }
+    });
+    started.notified().await;
+    tokio::time::sleep(lease * 2).await;
+    // Its lease ran out: the next delivery takes the unit over and runs it.
+    let work = |_| async { Ok::<_, std::io::Error>("second".to_owned()) };
+    let second = healthy.run(unit("o-superseded", "{}"), work).await.unwrap();
+    assert_eq!((second.value.as_str(), second.replayed), ("second", false));
+    release.notify_one();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(
+        (first.value.as_str(), first.replayed),
+        ("second", true),
+        "the superseded delivery answers with the unit's outcome"
+    );
+}
+
+/// A delivery the store granted while the thread running it was blocked (2 s, lease 800 ms)
+/// sees its grant only after the lease ran out and another delivery took the unit: it does not
+/// run the work on it, and gets the other's outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_granted_while_its_runtime_is_blocked_never_runs() {
+    let lease = Duration::from_millis(800);
+    let memory = MemoryStore::new();
+    let blocked = Faulty {
+        inner: memory.clone(),
+        fault: StoreFault::BlockedAfterGrant {
+            armed: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            pause: Duration::from_secs(2),
+        },
+    };
+    let runs = Arc::new(AtomicUsize::new(0));
+    let work = |name: &'static str| {
+        let runs = Arc::clone(&runs);
+        move |_| async move {
+            runs.fetch_add(1, SeqCst);
+            Ok::<_, std::io::Error>(name.to_owned())
+        }
+    };
+    // The blocked delivery, on a runtime of its own (the block stops nothing else).
+    let first = std::thread::spawn({
+        let (once, work) = (Once::new(blocked).with_lease(lease), work("blocked"));
+        move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(once.run(unit("o-lapsed", "{}"), work))
+        }
+    });
+    tokio::time::sleep(lease + Duration::from_millis(400)).await;
+    let healthy = Once::new(memory).with_lease(lease);
+    let second = healthy.run(unit("o-lapsed", "{}"), work("healthy")).await;
+    assert_eq!(second.unwrap().value, "healthy");
+    let first = first.join().unwrap().unwrap();
+    assert_eq!((first.value.as_str(), first.replayed), ("healthy", true));
+    assert_eq!(runs.load(SeqCst), 1, "the work ran once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,9 +17,24 @@ use crate::{
     telemetry::Operation,
 };
 
-/// What a claim ends in when the handler does not run: the answer, or nothing when the caller
-/// left while waiting.
-type Answered<B> = ControlFlow<Option<Response<ResponseBody<B>>>, u64>;
+/// What a claim ends in: a grant to run the handler under, or the answer that replaces running
+/// it (nothing when the caller left while waiting).
+pub(super) type Answered<B> = ControlFlow<Option<Response<ResponseBody<B>>>, Grant>;
+
+/// A claim the store granted.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Grant {
+    pub(super) fence: u64,
+    /// When the claim that was granted was sent: its lease runs from no earlier than that,
+    /// however late this process saw the answer.
+    pub(super) sent: std::time::Instant,
+}
+
+/// What one claim call answered, and when it was sent.
+pub(super) struct Claimed {
+    pub(super) outcome: Result<ClaimOutcome, StoreError>,
+    pub(super) sent: std::time::Instant,
+}
 
 /// Claims the key, waiting (up to `wait`) while another request holds it: the fence of an
 /// acquired claim, or the answer that replaces running the handler (a replay, or why not), or
@@ -36,35 +51,34 @@ pub(super) async fn claim_or_answer<B, E>(
     grpc: bool,
     reply: &mut Caller<B, E>,
 ) -> Answered<B> {
-    let outcome = claim_once(engine, claim).await;
-    match outcome {
+    let claimed = claim_once(engine, claim).await;
+    match claimed.outcome {
         // Waiting is rare, and its state large: boxed apart.
         Ok(ClaimOutcome::InFlight { .. }) => {
             let waiting =
-                wait_for_the_first(engine, claim, request_headers, wait, grpc, reply, outcome);
+                wait_for_the_first(engine, claim, request_headers, wait, grpc, reply, claimed);
             Box::pin(waiting).await
         }
-        other => answer(engine, claim.record(), request_headers, other, grpc),
+        _ => answer(engine, claim.record(), request_headers, claimed, grpc),
     }
 }
 
 /// One claim call, timed; a key committed without an answer is given the application's, when
 /// it rebuilds one.
-pub(super) async fn claim_once(
-    engine: &Engine,
-    claim: &ClaimRequest,
-) -> Result<ClaimOutcome, StoreError> {
+pub(super) async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Claimed {
     let store = &engine.settings.store;
+    let sent = std::time::Instant::now();
     let outcome = engine
         .telemetry
         .timed(Operation::Claim, store.claim(claim))
         .await;
-    match (outcome, &engine.settings.recovery) {
+    let outcome = match (outcome, &engine.settings.recovery) {
         (Ok(ClaimOutcome::Orphaned), Some(recover)) => {
             Box::pin(recovered(engine, claim, &**recover)).await
         }
         (outcome, _) => outcome,
-    }
+    };
+    Claimed { outcome, sent }
 }
 
 /// Asks the application for the answer of a key committed without one, and stores it: the
@@ -118,17 +132,17 @@ async fn wait_for_the_first<B, E>(
     wait: Duration,
     grpc: bool,
     reply: &mut Caller<B, E>,
-    outcome: Result<ClaimOutcome, StoreError>,
+    claimed: Claimed,
 ) -> Answered<B> {
-    match while_in_flight(engine, claim, outcome, wait, reply.closed()).await {
-        None => ControlFlow::Break(None),
-        Some(Ok(ClaimOutcome::InFlight { retry_after })) => {
-            let rejection = Rejection::InFlight { retry_after };
-            let key = Some(claim.record().key());
-            ControlFlow::Break(Some(engine.respond(rejection, key, grpc)))
-        }
-        Some(other) => answer(engine, claim.record(), request_headers, other, grpc),
+    let Some(claimed) = while_in_flight(engine, claim, claimed, wait, reply.closed()).await else {
+        return ControlFlow::Break(None);
+    };
+    if let Ok(ClaimOutcome::InFlight { retry_after }) = claimed.outcome {
+        let rejection = Rejection::InFlight { retry_after };
+        let key = Some(claim.record().key());
+        return ControlFlow::Break(Some(engine.respond(rejection, key, grpc)));
     }
+    answer(engine, claim.record(), request_headers, claimed, grpc)
 }
 
 /// Claims again while another attempt holds the key, up to `wait`: the first outcome that is
@@ -140,18 +154,18 @@ async fn wait_for_the_first<B, E>(
 pub(super) async fn while_in_flight(
     engine: &Engine,
     claim: &ClaimRequest,
-    mut outcome: Result<ClaimOutcome, StoreError>,
+    mut claimed: Claimed,
     wait: Duration,
     gone: impl Future<Output = ()>,
-) -> Option<Result<ClaimOutcome, StoreError>> {
+) -> Option<Claimed> {
     let deadline = Instant::now() + wait;
     let mut watch = None;
     let (prefix, count) = claim.owner().as_u64_pair();
     let mut backoff = Backoff::new(prefix ^ count.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let mut gone = std::pin::pin!(gone);
     loop {
-        let Ok(ClaimOutcome::InFlight { retry_after }) = outcome else {
-            return Some(outcome);
+        let Ok(ClaimOutcome::InFlight { retry_after }) = claimed.outcome else {
+            return Some(claimed);
         };
         if (&mut gone).now_or_never().is_some() {
             return None;
@@ -159,7 +173,8 @@ pub(super) async fn while_in_flight(
         let now = Instant::now();
         if now >= deadline {
             let retry_after = engine.state.durations.retry_after(retry_after);
-            return Some(Ok(ClaimOutcome::InFlight { retry_after }));
+            claimed.outcome = Ok(ClaimOutcome::InFlight { retry_after });
+            return Some(claimed);
         }
         let watch = watch.get_or_insert_with(|| {
             engine.telemetry.waiting();
@@ -171,7 +186,7 @@ pub(super) async fn while_in_flight(
             () = watch.notify().notified() => {}
             () = tokio::time::sleep(backoff.pause().min(deadline - now)) => {}
         }
-        outcome = claim_once(engine, claim).await;
+        claimed = claim_once(engine, claim).await;
     }
 }
 
@@ -180,11 +195,14 @@ fn answer<B>(
     engine: &Engine,
     record: &RecordKey,
     request_headers: &HeaderMap,
-    outcome: Result<ClaimOutcome, StoreError>,
+    claimed: Claimed,
     grpc: bool,
 ) -> Answered<B> {
-    let rejection = match outcome {
-        Ok(ClaimOutcome::Acquired { fence }) => return ControlFlow::Continue(fence),
+    let sent = claimed.sent;
+    let rejection = match claimed.outcome {
+        Ok(ClaimOutcome::Acquired { fence }) => {
+            return ControlFlow::Continue(Grant { fence, sent });
+        }
         Ok(ClaimOutcome::Completed { response, .. }) if response.body().is_some() => {
             match vary_mismatch(&response, request_headers) {
                 None => {

@@ -30,6 +30,8 @@ const BUSY_RETRY: Duration = Duration::from_millis(20);
 #[derive(Debug, Default)]
 pub(crate) struct Leases {
     state: Mutex<LeasesState>,
+    /// Told of every renewal's answer, for work waiting to start under a lease confirmed late.
+    renewed: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -47,10 +49,28 @@ struct Held {
     length: Duration,
     /// When the next renewal is due; `None` while one is under way.
     due: Option<Instant>,
+    /// When the store last confirmed the lease: when the claim that granted it, or the last
+    /// renewal that kept it, was sent. The lease runs for its length from no earlier than that.
+    confirmed: std::time::Instant,
+    /// Whether work started under the lease: before it does, a lease found lost only means
+    /// the grant came too late to act on.
+    started: bool,
     /// Whether a renewal found the key in another owner's hands.
     lost: bool,
     /// Tells a renewal that outlived its request from the slot's next holder.
     generation: u64,
+}
+
+/// Whether work may start under a granted lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Standing {
+    /// The store confirmed the lease less than a third of it ago, and renewals keep it.
+    Live,
+    /// The grant lapsed before this process could act on it, and another owner took the key
+    /// (or finished it): nothing may run under it.
+    Lost,
+    /// The store did not confirm the lease within a lease (it kept failing).
+    Unconfirmed,
 }
 
 /// A lease held for a request, renewed until this is dropped.
@@ -62,14 +82,22 @@ pub(crate) struct Keeper {
 static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl Keeper {
-    /// Starts renewing `lease` every third of the layer's lease length.
-    pub(crate) fn start(engine: Arc<Engine>, lease: Lease) -> Self {
+    /// Starts renewing `lease`, granted by a claim sent at `sent`, every third of the layer's
+    /// lease length. A grant this process saw late (its runtime was busy or blocked when the
+    /// answer came) is renewed at once, from the renewal thread.
+    pub(crate) fn start(engine: Arc<Engine>, lease: Lease, sent: std::time::Instant) -> Self {
+        let length = engine.settings.lease;
+        let due = Instant::from_std(sent) + period(length);
+        let overdue = due <= Instant::now();
+        let generation = GENERATION.fetch_add(1, Relaxed);
         let held = Held {
-            lease,
-            length: engine.settings.lease,
-            due: Some(Instant::now() + period(engine.settings.lease)),
+            lease: lease.clone(),
+            length,
+            due: (!overdue).then_some(due),
+            confirmed: sent,
+            started: false,
             lost: false,
-            generation: GENERATION.fetch_add(1, Relaxed),
+            generation,
         };
         let slot = {
             let mut state = engine.state.leases.lock();
@@ -89,8 +117,53 @@ impl Keeper {
             }
             slot
         };
+        if overdue {
+            let renewal = renew(Arc::clone(&engine), slot, generation, lease, length);
+            renewer().spawn(renewal);
+        }
         crate::telemetry::claims_held(1.0);
         Self { engine, slot }
+    }
+
+    /// Whether work may start under the lease: only once the store has confirmed it less than
+    /// a third of a lease ago, so that renewals (from then on independent of the application's
+    /// runtime) keep it. A grant is acted on only if it still stands: one this process saw
+    /// after a stall waits for the renewal `start` sent at once, and is given up if another
+    /// owner took the key meanwhile. Costs nothing when the grant was seen in time (nearly
+    /// always).
+    pub(crate) async fn standing(&self) -> Standing {
+        match self.look() {
+            Some(standing) => standing,
+            None => Box::pin(self.wait_for_confirmation()).await,
+        }
+    }
+
+    /// The lease's standing, if it is settled; marks the work started when it is live.
+    fn look(&self) -> Option<Standing> {
+        let mut state = self.engine.state.leases.lock();
+        let held = state.held[self.slot].as_mut().expect("held until dropped");
+        if held.lost {
+            return Some(Standing::Lost);
+        }
+        let fresh = held.confirmed.elapsed() < period(held.length);
+        held.started |= fresh;
+        fresh.then_some(Standing::Live)
+    }
+
+    /// Waits for a renewal to confirm the lease (or find it lost), up to a lease.
+    async fn wait_for_confirmation(&self) -> Standing {
+        let give_up = Instant::now() + self.engine.settings.lease;
+        loop {
+            let renewed = self.engine.state.leases.renewed.notified();
+            let mut renewed = std::pin::pin!(renewed);
+            renewed.as_mut().enable();
+            if let Some(standing) = self.look() {
+                return standing;
+            }
+            if tokio::time::timeout_at(give_up, renewed).await.is_err() {
+                return self.look().unwrap_or(Standing::Unconfirmed);
+            }
+        }
     }
 
     /// Whether a renewal found the key in another owner's hands.
@@ -198,10 +271,10 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
             .is_some_and(|h| h.generation == generation)
     };
     let next = loop {
-        let started = Instant::now();
+        let started = std::time::Instant::now();
         let renewed = engine.renewal_store().renew(&lease, length);
         match engine.telemetry.timed(Operation::Renew, renewed).await {
-            Ok(Ownership::Held) => {}
+            Ok(Ownership::Held) => confirm(&engine, slot, generation, started),
             Ok(Ownership::Busy) => {
                 tokio::time::sleep(BUSY_RETRY.min(period(length))).await;
                 if !still_held(&engine) {
@@ -218,13 +291,34 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
                 );
             }
         }
-        let due = started + period(length);
+        let due = Instant::from_std(started) + period(length);
         // A renewal that took a period or more is followed at once, by this task: the keeper
         // looks again only a period after it handed this one out.
         if Instant::now() < due || !still_held(&engine) {
             break Some(due);
         }
     };
+    match next {
+        Some(due) => schedule(&engine, slot, generation, due),
+        None => lost(&engine, slot, generation, &lease),
+    }
+}
+
+/// Sets when the lease's next renewal is due.
+fn schedule(engine: &Engine, slot: usize, generation: u64, due: Instant) {
+    let mut state = engine.state.leases.lock();
+    if let Some(held) = state.held[slot]
+        .as_mut()
+        .filter(|h| h.generation == generation)
+    {
+        held.due = Some(due);
+    }
+}
+
+/// Marks the lease lost, and tells work waiting to start under it; reported as lost only if
+/// work had started: before it does, the grant only came too late to act on, and the work,
+/// which does not run, says so itself.
+fn lost(engine: &Engine, slot: usize, generation: u64, lease: &Lease) {
     let mut state = engine.state.leases.lock();
     let Some(held) = state.held[slot]
         .as_mut()
@@ -233,18 +327,30 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
         // Finished meanwhile.
         return;
     };
-    match next {
-        Some(due) => held.due = Some(due),
-        None => {
-            held.lost = true;
-            drop(state);
-            engine.telemetry.lease_lost();
-            tracing::warn!(
-                record = %engine.settings.shown_record(lease.record()),
-                owner = %lease.owner(),
-                "lease lost while the handler runs; its outcome will not be stored"
-            );
-        }
+    held.lost = true;
+    let started = held.started;
+    drop(state);
+    engine.state.leases.renewed.notify_waiters();
+    if started {
+        engine.telemetry.lease_lost();
+        tracing::warn!(
+            record = %engine.settings.shown_record(lease.record()),
+            owner = %lease.owner(),
+            "lease lost while the handler runs; its outcome will not be stored"
+        );
+    }
+}
+
+/// Records that the store kept the lease as of `started`, and tells work waiting to start.
+fn confirm(engine: &Engine, slot: usize, generation: u64, started: std::time::Instant) {
+    let mut state = engine.state.leases.lock();
+    if let Some(held) = state.held[slot]
+        .as_mut()
+        .filter(|h| h.generation == generation)
+    {
+        held.confirmed = held.confirmed.max(started);
+        drop(state);
+        engine.state.leases.renewed.notify_waiters();
     }
 }
 

@@ -30,8 +30,9 @@ use uuid::Uuid;
 
 pub(crate) use self::work::{Delivered, deliver};
 use self::{
+    claim::Grant,
     handle::Handled,
-    lease::{Finalized, Keeper, Leases},
+    lease::{Finalized, Keeper, Leases, Standing},
     wait::{Durations, Waiters},
 };
 use crate::{
@@ -146,10 +147,16 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     let grpc = grpc::is_grpc(request.headers());
     let (parts, body) = request.into_parts();
     let admitted = admit(&engine, record, &parts, body, grpc, reply).await;
-    let Some((claim, lease, body, reply)) = admitted else {
+    let Some(Admitted {
+        claim,
+        lease,
+        keeper,
+        body,
+        reply,
+    }) = admitted
+    else {
         return;
     };
-    let keeper = Keeper::start(Arc::clone(&engine), lease.clone());
     let (handled, headers) = execute(&engine, inner, parts, body, &lease, reply, grpc).await;
     let attempt = Attempt {
         claim: &claim,
@@ -169,17 +176,27 @@ struct Attempt<'a> {
     grpc: bool,
 }
 
-/// Reads the body and claims the key: the claim and its lease, the body to run the handler
-/// with and the caller to answer, or `None` once the caller has been answered instead (or has
-/// gone).
+/// A request admitted to run its handler.
+struct Admitted<ResBody, E> {
+    claim: ClaimRequest,
+    lease: Lease,
+    /// Renews the lease until the key is finalized.
+    keeper: Keeper,
+    body: Bytes,
+    reply: Caller<ResBody, E>,
+}
+
+/// Reads the body and claims the key: the claim and its held lease, the body to run the
+/// handler with and the caller to answer, or `None` once the caller has been answered instead
+/// (or has gone).
 async fn admit<B, ResBody, E>(
-    engine: &Engine,
+    engine: &Arc<Engine>,
     record: Arc<RecordKey>,
     parts: &Parts,
     body: B,
     grpc: bool,
     mut reply: Caller<ResBody, E>,
-) -> Option<(ClaimRequest, Lease, Bytes, Caller<ResBody, E>)>
+) -> Option<Admitted<ResBody, E>>
 where
     B: Body,
     B::Error: Into<BoxError>,
@@ -192,22 +209,95 @@ where
             return None;
         }
     };
-    let claim = ClaimRequest::shared(record, fingerprint, owner_token(), engine.settings.lease);
+    let mut claim = ClaimRequest::shared(record, fingerprint, owner_token(), engine.settings.lease);
     let wait = wait_budget(&engine.settings, &parts.headers);
-    let claimed = claim::claim_or_answer(engine, &claim, &parts.headers, wait, grpc, &mut reply);
-    match claimed.await {
-        ControlFlow::Continue(fence) => {
-            engine.telemetry.executing();
-            let lease = claim.lease_with_fence(fence);
-            tracing::Span::current().record("fence", fence);
-            tracing::debug!(owner = %lease.owner(), "claimed; running handler");
-            Some((claim, lease, body, reply))
-        }
-        ControlFlow::Break(answer) => {
-            if let Some(answer) = answer {
-                let _ = reply.send(Ok(answer));
+    let mut lapses = 0;
+    let answer = loop {
+        let claimed =
+            claim::claim_or_answer(engine, &claim, &parts.headers, wait, grpc, &mut reply).await;
+        let grant = match claimed {
+            ControlFlow::Continue(grant) => grant,
+            ControlFlow::Break(answer) => break answer,
+        };
+        match hold_grant(engine, &mut claim, grant, &mut lapses).await {
+            Kept::Held(lease, keeper) => {
+                tracing::Span::current().record("fence", lease.fence());
+                tracing::debug!(owner = %lease.owner(), "claimed; running handler");
+                return Some(Admitted {
+                    claim,
+                    lease,
+                    keeper,
+                    body,
+                    reply,
+                });
             }
-            None
+            Kept::Again => {}
+            Kept::Refused => {
+                let key = Some(claim.record().key());
+                break Some(engine.respond(Rejection::StoreUnavailable, key, grpc));
+            }
+        }
+    };
+    if let Some(answer) = answer {
+        let _ = reply.send(Ok(answer));
+    }
+    None
+}
+
+/// How many grants in a row may come too late to act on before the work is refused.
+const LAPSES: u32 = 3;
+
+/// What became of a grant.
+enum Kept {
+    /// The lease, and its keeper renewing it: the work may start.
+    Held(Lease, Keeper),
+    /// The grant came too late to act on: claim again, as `claim` (now of a new owner).
+    Again,
+    /// The store could not confirm the lease, or grants kept lapsing: the work must not run.
+    Refused,
+}
+
+/// Holds the lease `grant` gave `claim` (see [`Keeper::standing`]) if it still stands now that
+/// the work is about to start. A grant that lapsed before this process could act on it (its
+/// runtime was blocked when the answer came) while another owner took the key is given up, and
+/// `claim` made anew for a new owner: claimed again, its outcome is whatever the key's is (a
+/// replay, a wait for the owner that took it over). `lapses` counts those in a row.
+async fn hold_grant(
+    engine: &Arc<Engine>,
+    claim: &mut ClaimRequest,
+    grant: Grant,
+    lapses: &mut u32,
+) -> Kept {
+    let lease = claim.lease_with_fence(grant.fence);
+    let keeper = Keeper::start(Arc::clone(engine), lease.clone(), grant.sent);
+    match keeper.standing().await {
+        Standing::Live => {
+            engine.telemetry.executing();
+            Kept::Held(lease, keeper)
+        }
+        Standing::Lost => {
+            engine.telemetry.grant_lapsed();
+            tracing::warn!(
+                owner = %lease.owner(),
+                fence = lease.fence(),
+                "the claim was granted, but its lease ran out before this process could act on \
+                 it (its runtime was blocked?) and another attempt took the key: not running \
+                 it; claiming again"
+            );
+            *lapses += 1;
+            if *lapses == LAPSES {
+                tracing::error!(lapses, "every grant lapsed before it could be acted on");
+                return Kept::Refused;
+            }
+            *claim = claim.reowned(owner_token());
+            Kept::Again
+        }
+        Standing::Unconfirmed => {
+            drop(keeper);
+            tracing::error!("the store did not confirm a late grant's lease; not running");
+            // Nothing ran under it: giving the key back early is safe.
+            let _ = engine.settings.store.release(&lease).await;
+            Kept::Refused
         }
     }
 }
@@ -301,8 +391,11 @@ async fn answer_superseded<B, E>(engine: &Engine, attempt: &Attempt<'_>, mut rep
         ControlFlow::Break(None) => return,
         // The key is free again (the other attempt released it): nothing to replay. Give it
         // back, and tell the caller to come again; its retry runs cleanly.
-        ControlFlow::Continue(fence) => {
-            let _ = settings.store.release(&again.lease_with_fence(fence)).await;
+        ControlFlow::Continue(grant) => {
+            let _ = settings
+                .store
+                .release(&again.lease_with_fence(grant.fence))
+                .await;
             let rejection = Rejection::InFlight {
                 retry_after: Duration::from_secs(1),
             };

@@ -8,8 +8,9 @@ use http::{HeaderMap, StatusCode};
 use tokio::time::Instant;
 
 use super::{
-    Engine,
-    claim::{claim_once, while_in_flight},
+    Engine, Kept,
+    claim::{Grant, claim_once, while_in_flight},
+    hold_grant,
     lease::{self, Finalized, Keeper},
     owner_token,
 };
@@ -23,6 +24,9 @@ use crate::{
 pub(crate) enum Delivered<E> {
     /// This delivery ran the work: its outcome, now stored.
     Executed(Bytes),
+    /// This delivery ran the work, but another took the key over meanwhile (its lease ran
+    /// out) and the key was free again when this one looked: no outcome is the key's.
+    Superseded,
     /// An earlier delivery ran it: the stored outcome.
     Replayed(Bytes),
     /// The work failed; the key was released for the next delivery (unless it had committed).
@@ -52,15 +56,23 @@ where
     F: FnOnce(IdempotencyClaim) -> Fut,
     Fut: Future<Output = Result<Bytes, E>>,
 {
-    let claim = ClaimRequest::new(record, fingerprint, owner_token(), engine.settings.lease);
-    let fence = match claimed(engine, &claim, wait).await {
-        Ok(fence) => fence,
-        Err(delivered) => return delivered,
-    };
-    engine.telemetry.executing();
-    let lease = claim.lease_with_fence(fence);
-    let keeper = Keeper::start(Arc::clone(engine), lease.clone());
     let settings = &engine.settings;
+    let mut claim = ClaimRequest::new(record, fingerprint, owner_token(), settings.lease);
+    let mut lapses = 0;
+    let (lease, keeper) = loop {
+        let grant = match claimed(engine, &claim, wait).await {
+            Ok(grant) => grant,
+            Err(delivered) => return delivered,
+        };
+        match hold_grant(engine, &mut claim, grant, &mut lapses).await {
+            Kept::Held(lease, keeper) => break (lease, keeper),
+            Kept::Again => {}
+            Kept::Refused => {
+                let kind = settings.store.kind();
+                return Delivered::Store(StoreError::timeout(kind, settings.lease));
+            }
+        }
+    };
     let granted = IdempotencyClaim::granted(
         lease.clone(),
         (settings.retention, settings.lease),
@@ -82,8 +94,32 @@ where
         ),
     };
     engine.telemetry.handler_took(started.elapsed());
-    settle(engine, &lease, &stored, completion, keeper).await;
-    delivered
+    match settle(engine, &lease, &stored, completion, keeper).await {
+        Finalized::Superseded if matches!(delivered, Delivered::Executed(_)) => {
+            Box::pin(superseded(engine, &claim, wait)).await
+        }
+        _ => delivered,
+    }
+}
+
+/// The key's outcome, for a delivery whose work ran while another took the key over: what a
+/// later delivery would get (waiting for the one that holds it), never this delivery's value,
+/// which was not stored.
+async fn superseded<E>(engine: &Engine, claim: &ClaimRequest, wait: Duration) -> Delivered<E> {
+    tracing::info!("another delivery took the unit over: answering with the key's outcome");
+    let again = claim.reowned(owner_token());
+    match claimed(engine, &again, wait).await {
+        Err(delivered) => delivered,
+        // The key is free again (released, or swept): give it back; nothing is the key's.
+        Ok(grant) => {
+            let _ = engine
+                .settings
+                .store
+                .release(&again.lease_with_fence(grant.fence))
+                .await;
+            Delivered::Superseded
+        }
+    }
 }
 
 /// An outcome as the stores keep it: a response with the serialized value as its body.
@@ -92,14 +128,14 @@ fn stored(status: StatusCode, body: Bytes) -> StoredResponse {
 }
 
 /// Finalizes the key (retrying with it held while the store fails) and wakes this process's
-/// deliveries waiting on it.
+/// deliveries waiting on it; how the finalize ended.
 async fn settle(
     engine: &Engine,
     lease: &Lease,
     stored: &StoredResponse,
     completion: Completion,
     keeper: Keeper,
-) {
+) -> Finalized {
     let mut finalized = lease::finalize(engine, lease, stored, completion).await;
     if let Finalized::Failing = finalized {
         let later = lease::finalize_later(engine, lease, stored, completion, &keeper);
@@ -109,19 +145,22 @@ async fn settle(
     if let Finalized::Done = finalized {
         engine.state.waiters.wake(lease.record());
     }
+    finalized
 }
 
-/// The fence of an acquired claim, or what this delivery gets instead of running the work.
+/// The grant of an acquired claim, or what this delivery gets instead of running the work.
 async fn claimed<E>(
     engine: &Engine,
     claim: &ClaimRequest,
     wait: Duration,
-) -> Result<u64, Delivered<E>> {
+) -> Result<Grant, Delivered<E>> {
     let first = claim_once(engine, claim).await;
     // No caller to leave: a delivery waits out its whole wait.
     let waited = while_in_flight(engine, claim, first, wait, std::future::pending()).await;
-    match waited.expect("a pending future never resolves") {
-        Ok(ClaimOutcome::Acquired { fence }) => Ok(fence),
+    let waited = waited.expect("a pending future never resolves");
+    let sent = waited.sent;
+    match waited.outcome {
+        Ok(ClaimOutcome::Acquired { fence }) => Ok(Grant { fence, sent }),
         Ok(ClaimOutcome::Completed { response, .. }) if response.status() == StatusCode::OK => {
             engine
                 .telemetry

@@ -418,6 +418,16 @@ impl ClaimRequest {
         }
     }
 
+    /// The same claim by another owner: for an attempt that claims again.
+    pub(crate) fn reowned(&self, owner: Uuid) -> Self {
+        Self::shared(
+            Arc::clone(&self.record),
+            self.fingerprint,
+            owner,
+            self.lease,
+        )
+    }
+
     /// The record claimed.
     pub fn record(&self) -> &RecordKey {
         &self.record

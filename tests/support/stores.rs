@@ -21,6 +21,13 @@ pub enum StoreFault {
     LateRenewals(Duration),
     /// `complete` fails while this is set, as a store that cannot take a write would.
     FailingCompletes(std::sync::Arc<std::sync::atomic::AtomicBool>),
+    /// The next claim the store grants while `armed` is set (then cleared) blocks the thread
+    /// that polls it for `pause` before it answers: a runtime blocked by another handler just
+    /// as the grant arrived, so the process sees it only after its lease may have run out.
+    BlockedAfterGrant {
+        armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        pause: Duration,
+    },
 }
 
 impl<S: Store> Store for Faulty<S> {
@@ -28,7 +35,19 @@ impl<S: Store> Store for Faulty<S> {
         &'a self,
         request: &'a store::ClaimRequest,
     ) -> store::BoxFuture<'a, Result<store::ClaimOutcome, store::StoreError>> {
-        self.inner.claim(request)
+        let StoreFault::BlockedAfterGrant { armed, pause } = &self.fault else {
+            return self.inner.claim(request);
+        };
+        Box::pin(async move {
+            let outcome = self.inner.claim(request).await;
+            if matches!(outcome, Ok(store::ClaimOutcome::Acquired { .. }))
+                && armed.swap(false, std::sync::atomic::Ordering::SeqCst)
+            {
+                // Synchronous on purpose: nothing else on this thread runs meanwhile.
+                std::thread::sleep(*pause);
+            }
+            outcome
+        })
     }
 
     fn renew<'a>(
@@ -43,7 +62,9 @@ impl<S: Store> Store for Faulty<S> {
                 tokio::time::sleep(*delay).await;
                 renewed
             }),
-            StoreFault::FailingCompletes(_) => self.inner.renew(lease, duration),
+            StoreFault::FailingCompletes(_) | StoreFault::BlockedAfterGrant { .. } => {
+                self.inner.renew(lease, duration)
+            }
         }
     }
 
@@ -77,7 +98,9 @@ impl<S: Store> Store for Faulty<S> {
     /// fault is in the renewals: then they go through it.
     fn detached(&self) -> Option<std::sync::Arc<dyn Store>> {
         match self.fault {
-            StoreFault::FailingCompletes(_) => self.inner.detached(),
+            StoreFault::FailingCompletes(_) | StoreFault::BlockedAfterGrant { .. } => {
+                self.inner.detached()
+            }
             StoreFault::FrozenRenewals | StoreFault::LateRenewals(_) => None,
         }
     }
