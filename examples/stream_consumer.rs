@@ -222,8 +222,15 @@ async fn consume(
                 .bind(consumer)
                 .execute(&mut *tx)
                 .await?;
+            // The outcome commits with the shipment: a consumer killed right after this
+            // commit leaves the next delivery its outcome, not "outcome unknown".
+            let outcome = format!("shipped by {consumer}");
+            claim
+                .commit_with_outcome(&mut tx, &outcome)
+                .await
+                .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
             tx.commit().await?;
-            Ok::<_, sqlx::Error>(format!("shipped by {consumer}"))
+            Ok::<_, sqlx::Error>(outcome)
         })
         .await;
     match shipped {

@@ -223,6 +223,52 @@ impl IdempotencyClaim {
             .with_varied_request_headers(varied);
         crate::store::commit(connection, &self.lease, times, Some(&stored)).await
     }
+
+    /// The fence, and a unit of work's outcome with it: for [`Once::run`](crate::work::Once::run)
+    /// what [`commit_with_response`](Self::commit_with_response) is for a handler. Stores
+    /// `outcome` (what the work is about to return) in the same transaction as the work's
+    /// writes: if this process dies after the transaction commits, later deliveries get
+    /// `outcome` at once (replayed), instead of [`WorkError::OutcomeUnknown`] for the whole
+    /// retention; and it is the unit's one outcome from then on. Return the same value.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::work::{Once, Unit};
+    ///
+    /// # async fn consume(once: Once, pool: sqlx::PgPool, id: &str, payload: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
+    /// let unit = Unit::new("orders", id, payload)?;
+    /// let done = once
+    ///     .run(unit, |claim| async move {
+    ///         let mut tx = pool.begin().await?;
+    ///         claim.commit(&mut tx).await?; // first: a stale delivery stops here
+    ///         sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
+    ///             .bind(claim.key().as_str())
+    ///             .execute(&mut *tx)
+    ///             .await?;
+    ///         let shipment = format!("shipment for {}", claim.key());
+    ///         claim.commit_with_outcome(&mut tx, &shipment).await?;
+    ///         tx.commit().await?;
+    ///         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(shipment)
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// [`WorkError::OutcomeUnknown`]: crate::work::WorkError::OutcomeUnknown
+    #[cfg(feature = "postgres")]
+    pub async fn commit_with_outcome<T: serde::Serialize>(
+        &self,
+        connection: &mut sqlx::PgConnection,
+        outcome: &T,
+    ) -> Result<(), crate::store::FenceError> {
+        let times = (self.retention, self.lease_duration);
+        let outcome =
+            serde_json::to_vec(outcome).map_err(|source| crate::store::FenceError::Outcome {
+                record: self.lease.record().clone(),
+                source,
+            })?;
+        let stored = crate::StoredResponse::of_outcome(outcome.into());
+        crate::store::commit(connection, &self.lease, times, Some(&stored)).await
+    }
 }
 
 /// # Multi-step handlers: recovery points (Postgres)

@@ -12,7 +12,7 @@ use crate::{
     protocol::{Engine, State},
     settings::Settings,
     store::{RecordKey, Store},
-    telemetry::{Counters, Telemetry},
+    telemetry::{Counters, Family, Telemetry},
 };
 
 /// Applies [`Idempotency`] to a service. Build it once, with a store, and add it like any layer.
@@ -324,7 +324,8 @@ impl<S> Layer<S> for IdempotencyLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         crate::telemetry::register_layer_metrics(self.settings.store.kind());
-        let telemetry = Telemetry::new(Arc::clone(&self.counters), self.settings.store.kind());
+        let (counters, store) = (Arc::clone(&self.counters), self.settings.store.kind());
+        let telemetry = Telemetry::new(counters, store, Family::Requests);
         let engine = Engine::new(self.settings.clone(), telemetry, Arc::clone(&self.state));
         Idempotency::new(inner, Arc::new(engine))
     }

@@ -38,6 +38,12 @@ impl StoredResponse {
         }
     }
 
+    /// A unit of work's outcome as the stores keep it: a 200 whose body is the serialized
+    /// value.
+    pub(crate) fn of_outcome(outcome: Bytes) -> Self {
+        Self::new(StatusCode::OK, HeaderMap::new(), Some(outcome), None)
+    }
+
     /// Records the first request's values of the headers the response's `Vary` names.
     pub fn with_varied_request_headers(mut self, varied: HeaderMap) -> Self {
         self.varied = varied;

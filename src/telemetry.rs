@@ -15,6 +15,8 @@
 //! |---|---|---|---|
 //! | `idempotency_requests_total` | counter | `outcome`, `store` | guarded requests, by [`IdempotencyOutcome`] and store kind |
 //! | `idempotency_handler_seconds` | histogram | `store` | how long handlers ran |
+//! | `idempotency_units_total` | counter | `outcome`, `store` | deliveries of units of work ([`Once`](crate::work::Once)), by what became of them: `executed`, `replayed`, `failed`, `in_flight`, `mismatch`, `outcome_unknown`, `superseded`, `store_unavailable` |
+//! | `idempotency_unit_seconds` | histogram | `store` | how long units of work ran |
 //! | `idempotency_store_call_seconds` | histogram | `operation`, `store` | claim, renew, complete and release calls, errors included |
 //! | `idempotency_store_errors_total` | counter | `operation`, `store` | store calls that failed |
 //! | `idempotency_claims_held` | gauge | | keys this instance holds right now (handlers running, finalizes retried) |
@@ -28,6 +30,9 @@
 //! | `idempotency_swept_rows_total` | counter | | expired Postgres rows the sweeper deleted |
 //! | `idempotency_client_retries_total` | counter | | attempts the client layer made again, with the same key |
 //! | `idempotency_client_retries_denied_total` | counter | | retries the client's budget refused |
+//!
+//! Units of work count apart from requests: they are not in `idempotency_requests_total` nor
+//! `idempotency_handler_seconds`; the other metrics (store calls, leases, waits) are shared.
 //!
 //! Counters and gauges without labels are registered at zero when a layer (or a tiered or
 //! Postgres store) is built, so that dashboards and alerts see them before the first event.
@@ -148,10 +153,75 @@ pub const HANDLER_BUCKETS: &[f64] = &[
 ];
 
 /// Every histogram the crate records, with its buckets (see [Histograms](self#histograms)).
-pub const HISTOGRAMS: [(&str, &[f64]); 2] = [
+pub const HISTOGRAMS: [(&str, &[f64]); 3] = [
     ("idempotency_store_call_seconds", STORE_CALL_BUCKETS),
     ("idempotency_handler_seconds", HANDLER_BUCKETS),
+    ("idempotency_unit_seconds", HANDLER_BUCKETS),
 ];
+
+/// What became of one delivery of a unit of work: the `outcome` label of
+/// `idempotency_units_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UnitOutcome {
+    Executed,
+    Replayed,
+    Failed,
+    InFlight,
+    Mismatch,
+    OutcomeUnknown,
+    Superseded,
+    StoreUnavailable,
+}
+
+#[cfg(feature = "metrics")]
+impl UnitOutcome {
+    const ALL: [Self; 8] = [
+        Self::Executed,
+        Self::Replayed,
+        Self::Failed,
+        Self::InFlight,
+        Self::Mismatch,
+        Self::OutcomeUnknown,
+        Self::Superseded,
+        Self::StoreUnavailable,
+    ];
+
+    /// The `outcome` label.
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Executed => "executed",
+            Self::Replayed => "replayed",
+            Self::Failed => "failed",
+            Self::InFlight => "in_flight",
+            Self::Mismatch => "mismatch",
+            Self::OutcomeUnknown => "outcome_unknown",
+            Self::Superseded => "superseded",
+            Self::StoreUnavailable => "store_unavailable",
+        }
+    }
+}
+
+/// Registers `idempotency_units_total` at zero for every outcome on `store`, and describes it.
+pub(crate) fn register_unit_metrics(store: &'static str) {
+    #[cfg(not(feature = "metrics"))]
+    let _ = store;
+    #[cfg(feature = "metrics")]
+    {
+        metrics::describe_counter!(
+            "idempotency_units_total",
+            "deliveries of units of work, by outcome and store"
+        );
+        metrics::describe_histogram!(
+            "idempotency_unit_seconds",
+            metrics::Unit::Seconds,
+            "how long units of work ran"
+        );
+        for outcome in UnitOutcome::ALL {
+            metrics::counter!("idempotency_units_total", "outcome" => outcome.as_str(), "store" => store)
+                .increment(0);
+        }
+    }
+}
 
 /// Registers the layer's metrics without labels at zero, with their descriptions, so that they
 /// are exported (and alerts on them evaluate) before their first event.
@@ -312,14 +382,21 @@ pub(crate) struct Telemetry {
     keys: Arc<Keys>,
 }
 
+/// What a [`Telemetry`] records: guarded requests, or units of work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Family {
+    Requests,
+    Units,
+}
+
 impl Telemetry {
-    pub(crate) fn new(counters: Arc<Counters>, store: &'static str) -> Self {
+    pub(crate) fn new(counters: Arc<Counters>, store: &'static str, family: Family) -> Self {
         #[cfg(not(feature = "metrics"))]
-        let _ = store;
+        let _ = (store, family);
         Self {
             counters,
             #[cfg(feature = "metrics")]
-            keys: Arc::new(Keys::new(store)),
+            keys: Arc::new(Keys::new(store, family)),
         }
     }
 
@@ -344,6 +421,24 @@ impl Telemetry {
             O::InvalidKey | O::BodyTimeout | O::BodyUnreadable => &c.bad_requests,
             O::BodyTooLarge => &c.too_large,
             O::NoScope | O::HandlerFailed => &c.handler_failures,
+        };
+        counter.fetch_add(1, Relaxed);
+    }
+
+    /// What became of a delivery of a unit of work: `idempotency_units_total`, and the
+    /// counter it stands for.
+    pub(crate) fn unit(&self, outcome: UnitOutcome) {
+        use UnitOutcome as O;
+        #[cfg(feature = "metrics")]
+        facade::counter(self.keys.unit(outcome)).increment(1);
+        let c = &self.counters;
+        let counter = match outcome {
+            O::Executed | O::Superseded => return,
+            O::Replayed => &c.replays,
+            O::Failed => &c.handler_failures,
+            O::InFlight | O::OutcomeUnknown => &c.in_flight,
+            O::Mismatch => &c.mismatches,
+            O::StoreUnavailable => &c.store_unavailable,
         };
         counter.fetch_add(1, Relaxed);
     }
@@ -399,7 +494,7 @@ impl Telemetry {
         self.counters.add(|c| &c.handler_failures);
     }
 
-    /// How long a handler ran.
+    /// How long a handler (or a unit of work) ran.
     pub(crate) fn handler_took(&self, took: Duration) {
         #[cfg(feature = "metrics")]
         facade::histogram(&self.keys.handler).record(took);
@@ -441,7 +536,9 @@ struct Keys {
     store: &'static str,
     /// `idempotency_requests_total` by outcome, made on first use.
     requests: [std::sync::OnceLock<metrics::Key>; IdempotencyOutcome::COUNT],
-    /// `idempotency_handler_seconds`.
+    /// `idempotency_units_total` by outcome, made on first use.
+    units: [std::sync::OnceLock<metrics::Key>; UnitOutcome::ALL.len()],
+    /// `idempotency_handler_seconds`, or `idempotency_unit_seconds` for units.
     handler: metrics::Key,
     /// `idempotency_store_call_seconds` and `idempotency_store_errors_total`, by operation.
     calls: [(metrics::Key, metrics::Key); Operation::ALL.len()],
@@ -449,8 +546,12 @@ struct Keys {
 
 #[cfg(feature = "metrics")]
 impl Keys {
-    fn new(store: &'static str) -> Self {
+    fn new(store: &'static str, family: Family) -> Self {
         use metrics::{Key, Label};
+        let handler = match family {
+            Family::Requests => "idempotency_handler_seconds",
+            Family::Units => "idempotency_unit_seconds",
+        };
         let call = |name: &'static str, operation: Operation| {
             let labels = [("operation", operation.as_str()), ("store", store)];
             Key::from_parts(
@@ -461,10 +562,8 @@ impl Keys {
         Self {
             store,
             requests: Default::default(),
-            handler: Key::from_parts(
-                "idempotency_handler_seconds",
-                vec![Label::from_static_parts("store", store)],
-            ),
+            units: Default::default(),
+            handler: Key::from_parts(handler, vec![Label::from_static_parts("store", store)]),
             calls: Operation::ALL.map(|operation| {
                 (
                     call("idempotency_store_call_seconds", operation),
@@ -479,6 +578,14 @@ impl Keys {
             let labels = [("outcome", outcome.as_str()), ("store", self.store)];
             let labels = labels.map(|(k, v)| metrics::Label::from_static_parts(k, v));
             metrics::Key::from_parts("idempotency_requests_total", labels.to_vec())
+        })
+    }
+
+    fn unit(&self, outcome: UnitOutcome) -> &metrics::Key {
+        self.units[outcome as usize].get_or_init(|| {
+            let labels = [("outcome", outcome.as_str()), ("store", self.store)];
+            let labels = labels.map(|(k, v)| metrics::Label::from_static_parts(k, v));
+            metrics::Key::from_parts("idempotency_units_total", labels.to_vec())
         })
     }
 }
@@ -598,7 +705,7 @@ mod tests {
         use metrics_util::debugging::{DebugValue, DebuggingRecorder};
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
-        let telemetry = Telemetry::new(Arc::default(), "memory");
+        let telemetry = Telemetry::new(Arc::default(), "memory", Family::Requests);
         let outcomes = [
             IdempotencyOutcome::Executed,
             IdempotencyOutcome::HandlerFailed,

@@ -36,6 +36,14 @@
 //! [`IdempotencyClaim::advance`], which also records how far it got) never double, and the
 //! taker-over resumes from the recovery point.
 //!
+//! # A consumer killed after its commit
+//!
+//! Store the outcome in the work's fenced transaction
+//! ([`IdempotencyClaim::commit_with_outcome`]) and a delivery after a kill gets it at once; for
+//! work that commits with a plain [`IdempotencyClaim::commit`], [`Once::with_recovery`] rebuilds
+//! the outcome from the application's rows. Without either, such a unit answers
+//! [`WorkError::OutcomeUnknown`] for the whole retention: it never runs again.
+//!
 //! # What differs from HTTP
 //!
 //! No client waits for an answer: a delivery that finds its key in flight waits up to
@@ -54,7 +62,7 @@ use crate::{
     protocol::{Delivered, Engine, State, deliver},
     settings::Settings,
     store::{RecordKey, Store, StoreError},
-    telemetry::{Counters, Telemetry},
+    telemetry::{Counters, Family, Telemetry},
 };
 
 /// Runs units of work at most once per key across every process sharing its store.
@@ -160,7 +168,9 @@ impl Once {
     }
 
     fn with_settings(settings: Settings) -> Self {
-        let telemetry = Telemetry::new(Arc::default(), settings.store.kind());
+        let store = settings.store.kind();
+        crate::telemetry::register_unit_metrics(store);
+        let telemetry = Telemetry::new(Arc::default(), store, Family::Units);
         let engine = Engine::new(settings, telemetry, Arc::new(State::default()));
         Self {
             engine: Arc::new(engine),
@@ -187,6 +197,47 @@ impl Once {
     /// How long a delivery that finds its key in flight waits for the other one.
     pub fn with_wait(self, wait: Duration) -> Self {
         self.change(|s| s.wait = wait)
+    }
+
+    /// Rebuilds the outcome of a unit whose work committed through the fence
+    /// ([`IdempotencyClaim::commit`]) and whose process died before the outcome was stored:
+    /// the hook gets the unit's record and answers from the application's own rows (the
+    /// shipment the work wrote, say), or `None` when it cannot. The outcome is stored,
+    /// owner-checked, and given to this and every later delivery (replayed), instead of
+    /// [`WorkError::OutcomeUnknown`] for the whole retention. Called only for such units, once
+    /// their owner's lease has run out. Needs a store that can adopt a key (Postgres, alone or
+    /// behind Redis). Storing the outcome with the fence
+    /// ([`IdempotencyClaim::commit_with_outcome`]) makes the hook unnecessary for the units
+    /// that do.
+    ///
+    /// ```
+    /// use tower_idempotency::{MemoryStore, work::Once};
+    ///
+    /// let once = Once::new(MemoryStore::new()).with_recovery(|record| async move {
+    ///     // Look the shipment up by `record.key()` in the application's tables…
+    ///     Some(format!("shipment for {}", record.key()))
+    /// });
+    /// ```
+    pub fn with_recovery<T, F, Fut>(self, recover: F) -> Self
+    where
+        T: Serialize,
+        F: Fn(RecordKey) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Option<T>> + Send + 'static,
+    {
+        let recover = Arc::new(recover);
+        self.change(move |s| {
+            s.recovery = Some(Arc::new(move |record| {
+                let found = recover(record);
+                Box::pin(async move {
+                    let outcome = serde_json::to_vec(&found.await?)
+                        .inspect_err(|error| {
+                            tracing::warn!(%error, "the recovered outcome could not be serialized");
+                        })
+                        .ok()?;
+                    Some(http::Response::new(Bytes::from(outcome)))
+                })
+            }));
+        })
     }
 
     /// The counters of the units run through this value (and its clones).

@@ -626,3 +626,32 @@ fn the_sweeper_logs_why_it_failed() {
         "the cause was dropped: {failure:?}"
     );
 }
+
+/// Units of work count in a family of their own, apart from requests: an operator tells a
+/// consumer's redeliveries from an API's retries, and a unit's run time from a handler's.
+#[test]
+fn units_of_work_count_apart_from_requests() {
+    use tower_idempotency::work::{Once, Unit};
+    observed(&Capture::default(), |recorded| async move {
+        let once = Once::new(MemoryStore::new());
+        let unit = |payload: &str| Unit::new("orders", "o-metrics", payload.as_bytes()).unwrap();
+        let work = || |_| async { Ok::<_, std::io::Error>(1) };
+        assert!(!once.run(unit("{}"), work()).await.unwrap().replayed);
+        assert!(once.run(unit("{}"), work()).await.unwrap().replayed);
+        assert!(once.run(unit("other"), work()).await.is_err());
+        let units = |outcome| {
+            let labels = [("outcome", outcome), ("store", "memory")];
+            recorded.metric("idempotency_units_total", &labels)
+        };
+        assert_eq!(units("executed"), Some(1.0));
+        assert_eq!(units("replayed"), Some(1.0));
+        assert_eq!(units("mismatch"), Some(1.0));
+        assert_eq!(units("outcome_unknown"), Some(0.0), "registered at zero");
+        let ran = recorded.metric("idempotency_unit_seconds", &[("store", "memory")]);
+        assert_eq!(ran, Some(1.0));
+        assert_eq!(recorded.metric("idempotency_requests_total", &[]), None);
+        assert_eq!(recorded.metric("idempotency_handler_seconds", &[]), None);
+        let seen = once.counters().snapshot();
+        assert_eq!((seen.executions, seen.replays, seen.mismatches), (1, 1, 1));
+    });
+}

@@ -198,6 +198,126 @@ async fn a_delivery_granted_while_its_runtime_is_blocked_never_runs() {
     assert_eq!(runs.load(SeqCst), 1, "the work ran once");
 }
 
+/// A delivery that commits its work through the fence, then is gone (its task aborted, as a
+/// process killed right after the commit: no renewals, no outcome stored by the engine).
+/// `with_outcome`: the work stores its outcome with the fence.
+async fn committed_then_gone(once: &Once, pool: &sqlx::PgPool, key: &str, with_outcome: bool) {
+    let committed = Arc::new(tokio::sync::Notify::new());
+    let delivery = tokio::spawn({
+        let (once, pool, key) = (once.clone(), pool.clone(), key.to_owned());
+        let committed = Arc::clone(&committed);
+        async move {
+            let work = |claim: tower_idempotency::IdempotencyClaim| async move {
+                let mut tx = pool.begin().await?;
+                claim.commit(&mut tx).await?;
+                sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
+                    .bind(claim.key().as_str())
+                    .execute(&mut *tx)
+                    .await?;
+                let shipment = format!("shipment for {}", claim.key());
+                if with_outcome {
+                    claim.commit_with_outcome(&mut tx, &shipment).await?;
+                }
+                tx.commit().await?;
+                committed.notify_one();
+                std::future::pending::<()>().await;
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(shipment)
+            };
+            once.run(unit(&key, "{}"), work).await
+        }
+    });
+    committed.notified().await;
+    delivery.abort();
+    let _ = delivery.await;
+}
+
+async fn shipments(pool: &sqlx::PgPool, key: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM shipments WHERE order_id = $1")
+        .bind(key)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A unit whose work stored its outcome with the fence and whose process died right after the
+/// commit: the next delivery gets that outcome at once, without waiting for the dead one's
+/// lease (a plain commit leaves `OutcomeUnknown` for the whole retention, as shown last).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unit_committed_with_its_outcome_then_killed_is_replayed_at_once() {
+    let schema = TestSchema::new().await;
+    sqlx::query("CREATE TABLE shipments (order_id text PRIMARY KEY)")
+        .execute(&schema.pool)
+        .await
+        .unwrap();
+    let store = tower_idempotency::store::PostgresStore::new(schema.pool.clone());
+    let lease = Duration::from_millis(300);
+    let once = Once::new(store).with_lease(lease).with_wait(Duration::ZERO);
+    let never = |_| async { Ok::<String, std::io::Error>("ran again".to_owned()) };
+
+    committed_then_gone(&once, &schema.pool, "o-with-outcome", true).await;
+    let started = Instant::now();
+    let done = once.run(unit("o-with-outcome", "{}"), never).await.unwrap();
+    assert_eq!(done.value, "shipment for o-with-outcome");
+    assert!(done.replayed);
+    assert!(started.elapsed() < lease, "at once, not after the lease");
+    assert_eq!(shipments(&schema.pool, "o-with-outcome").await, 1);
+
+    committed_then_gone(&once, &schema.pool, "o-plain", false).await;
+    // Waiting out the dead owner's lease and grace.
+    let waiting = once.clone().with_wait(Duration::from_secs(5));
+    let unknown = waiting.run(unit("o-plain", "{}"), never).await;
+    assert!(
+        matches!(unknown, Err(WorkError::OutcomeUnknown)),
+        "{unknown:?}"
+    );
+    assert_eq!(shipments(&schema.pool, "o-plain").await, 1);
+    schema.drop().await;
+}
+
+/// A unit committed with a plain fence, then killed: with a recovery hook, the next delivery
+/// after the dead one's lease gets the outcome the hook rebuilt from the work's own rows,
+/// stored once and replayed to every later delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_recovery_hook_gives_a_unit_committed_then_killed_its_outcome() {
+    let schema = TestSchema::new().await;
+    sqlx::query("CREATE TABLE shipments (order_id text PRIMARY KEY)")
+        .execute(&schema.pool)
+        .await
+        .unwrap();
+    let store = tower_idempotency::store::PostgresStore::new(schema.pool.clone());
+    let recovered = Arc::new(AtomicUsize::new(0));
+    let once = Once::new(store)
+        .with_lease(Duration::from_millis(300))
+        .with_wait(Duration::from_secs(5))
+        .with_recovery({
+            let (pool, recovered) = (schema.pool.clone(), Arc::clone(&recovered));
+            move |record: tower_idempotency::store::RecordKey| {
+                let (pool, recovered) = (pool.clone(), Arc::clone(&recovered));
+                async move {
+                    recovered.fetch_add(1, SeqCst);
+                    let key = record.key().as_str().to_owned();
+                    let found: Option<String> =
+                        sqlx::query_scalar("SELECT order_id FROM shipments WHERE order_id = $1")
+                            .bind(&key)
+                            .fetch_optional(&pool)
+                            .await
+                            .ok()?;
+                    found.map(|order| format!("shipment for {order}"))
+                }
+            }
+        });
+    let never = |_| async { Ok::<String, std::io::Error>("ran again".to_owned()) };
+    committed_then_gone(&once, &schema.pool, "o-recovered", false).await;
+    for _ in 0..2 {
+        let done = once.run(unit("o-recovered", "{}"), never).await.unwrap();
+        assert_eq!(done.value, "shipment for o-recovered");
+        assert!(done.replayed);
+    }
+    assert_eq!(recovered.load(SeqCst), 1, "stored once, then replayed");
+    assert_eq!(shipments(&schema.pool, "o-recovered").await, 1);
+    schema.drop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_deliveries_run_once_and_share_the_outcome() {
     let once = Once::new(MemoryStore::new());

@@ -17,6 +17,7 @@ use super::{
 use crate::{
     Completion, Fingerprint, IdempotencyClaim, StoredResponse,
     store::{ClaimOutcome, ClaimRequest, Lease, RecordKey, StoreError},
+    telemetry::UnitOutcome,
 };
 
 /// What became of one delivery of a unit of work.
@@ -43,9 +44,43 @@ pub(crate) enum Delivered<E> {
     Store(StoreError),
 }
 
+impl<E> Delivered<E> {
+    /// The `outcome` label it counts under.
+    fn outcome(&self) -> UnitOutcome {
+        match self {
+            Self::Executed(_) => UnitOutcome::Executed,
+            Self::Superseded => UnitOutcome::Superseded,
+            Self::Replayed(_) => UnitOutcome::Replayed,
+            Self::Failed(_) => UnitOutcome::Failed,
+            Self::CommittedButFailed | Self::OutcomeUnknown => UnitOutcome::OutcomeUnknown,
+            Self::InFlight { .. } => UnitOutcome::InFlight,
+            Self::Mismatch => UnitOutcome::Mismatch,
+            Self::Store(_) => UnitOutcome::StoreUnavailable,
+        }
+    }
+}
+
 /// Claims `record` for this delivery (waiting up to `wait` for one that holds it), runs `work`
 /// with the lease renewed, and stores its outcome; or says why the work did not run here.
+/// Counted in `idempotency_units_total`.
 pub(crate) async fn deliver<F, Fut, E>(
+    engine: &Arc<Engine>,
+    record: RecordKey,
+    fingerprint: Fingerprint,
+    wait: Duration,
+    work: F,
+) -> Delivered<E>
+where
+    F: FnOnce(IdempotencyClaim) -> Fut,
+    Fut: Future<Output = Result<Bytes, E>>,
+{
+    let delivered = run(engine, record, fingerprint, wait, work).await;
+    engine.telemetry.unit(delivered.outcome());
+    delivered
+}
+
+/// [`deliver`], uncounted.
+async fn run<F, Fut, E>(
     engine: &Arc<Engine>,
     record: RecordKey,
     fingerprint: Fingerprint,
@@ -58,20 +93,9 @@ where
 {
     let settings = &engine.settings;
     let mut claim = ClaimRequest::new(record, fingerprint, owner_token(), settings.lease);
-    let mut lapses = 0;
-    let (lease, keeper) = loop {
-        let grant = match claimed(engine, &claim, wait).await {
-            Ok(grant) => grant,
-            Err(delivered) => return delivered,
-        };
-        match hold_grant(engine, &mut claim, grant, &mut lapses).await {
-            Kept::Held(lease, keeper) => break (lease, keeper),
-            Kept::Again => {}
-            Kept::Refused => {
-                let kind = settings.store.kind();
-                return Delivered::Store(StoreError::timeout(kind, settings.lease));
-            }
-        }
+    let (lease, keeper) = match held(engine, &mut claim, wait).await {
+        Ok(held) => held,
+        Err(delivered) => return delivered,
     };
     let granted = IdempotencyClaim::granted(
         lease.clone(),
@@ -82,13 +106,18 @@ where
     let started = Instant::now();
     let (stored, completion, delivered) = match work(granted).await {
         Ok(outcome) => (
-            stored(StatusCode::OK, outcome.clone()),
+            StoredResponse::of_outcome(outcome.clone()),
             Completion::Complete,
             Delivered::Executed(outcome),
         ),
         // Released for the next delivery; a committed key is completed, as a failure.
         Err(error) => (
-            stored(StatusCode::INTERNAL_SERVER_ERROR, Bytes::new()),
+            StoredResponse::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                HeaderMap::new(),
+                Some(Bytes::new()),
+                None,
+            ),
             Completion::Release,
             Delivered::Failed(error),
         ),
@@ -99,6 +128,28 @@ where
             Box::pin(superseded(engine, &claim, wait)).await
         }
         _ => delivered,
+    }
+}
+
+/// Claims the key (again, by a new owner, if a grant came too late to act on) until a lease
+/// is held for the work to start under, or says what the delivery gets instead.
+async fn held<E>(
+    engine: &Arc<Engine>,
+    claim: &mut ClaimRequest,
+    wait: Duration,
+) -> Result<(Lease, Keeper), Delivered<E>> {
+    let mut lapses = 0;
+    loop {
+        let grant = claimed(engine, claim, wait).await?;
+        match hold_grant(engine, claim, grant, &mut lapses).await {
+            Kept::Held(lease, keeper) => return Ok((lease, keeper)),
+            Kept::Again => {}
+            Kept::Refused => {
+                let settings = &engine.settings;
+                let kind = settings.store.kind();
+                return Err(Delivered::Store(StoreError::timeout(kind, settings.lease)));
+            }
+        }
     }
 }
 
@@ -120,11 +171,6 @@ async fn superseded<E>(engine: &Engine, claim: &ClaimRequest, wait: Duration) ->
             Delivered::Superseded
         }
     }
-}
-
-/// An outcome as the stores keep it: a response with the serialized value as its body.
-fn stored(status: StatusCode, body: Bytes) -> StoredResponse {
-    StoredResponse::new(status, HeaderMap::new(), Some(body), None)
 }
 
 /// Finalizes the key (retrying with it held while the store fails) and wakes this process's
@@ -161,14 +207,9 @@ async fn claimed<E>(
     let sent = waited.sent;
     match waited.outcome {
         Ok(ClaimOutcome::Acquired { fence }) => Ok(Grant { fence, sent }),
-        Ok(ClaimOutcome::Completed { response, .. }) if response.status() == StatusCode::OK => {
-            engine
-                .telemetry
-                .answered(crate::IdempotencyOutcome::Replayed);
-            Err(Delivered::Replayed(
-                response.body().cloned().unwrap_or_default(),
-            ))
-        }
+        Ok(ClaimOutcome::Completed { response, .. }) if response.status() == StatusCode::OK => Err(
+            Delivered::Replayed(response.body().cloned().unwrap_or_default()),
+        ),
         Ok(ClaimOutcome::Completed { .. }) => Err(Delivered::CommittedButFailed),
         Ok(ClaimOutcome::Mismatch) => Err(Delivered::Mismatch),
         Ok(ClaimOutcome::Orphaned) => Err(Delivered::OutcomeUnknown),

@@ -897,6 +897,18 @@ pub enum FenceError {
         /// The record involved.
         record: RecordKey,
     },
+    /// The outcome given to [`IdempotencyClaim::commit_with_outcome`] could not be
+    /// serialized: nothing was written.
+    ///
+    /// [`IdempotencyClaim::commit_with_outcome`]: crate::IdempotencyClaim::commit_with_outcome
+    #[error("the outcome of {record} could not be serialized")]
+    Outcome {
+        /// The record involved.
+        record: RecordKey,
+        /// What serde said.
+        #[source]
+        source: serde_json::Error,
+    },
     /// The fence statement itself failed (the transaction is likely aborted).
     #[error("could not fence {record}")]
     Database {
