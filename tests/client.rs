@@ -116,6 +116,8 @@ enum Canned {
     FirstUnavailable,
     /// This status to every request.
     Always(StatusCode),
+    /// 429 to the first request of each key, with a `Retry-After` HTTP date this far ahead.
+    FirstTooManyUntil(Duration),
 }
 
 impl Canned {
@@ -127,6 +129,11 @@ impl Canned {
             }
             Canned::FirstUnavailable => None,
             Canned::Always(status) => Some(status.into_response()),
+            Canned::FirstTooManyUntil(ahead) if first => {
+                let until = httpdate::fmt_http_date(std::time::SystemTime::now() + ahead);
+                Some((StatusCode::TOO_MANY_REQUESTS, [("retry-after", until)]).into_response())
+            }
+            Canned::FirstTooManyUntil(_) => None,
         }
     }
 }
@@ -290,6 +297,76 @@ async fn a_503_with_retry_after_is_retried_no_sooner_than_it_says() {
     assert!(waited < Duration::from_millis(2500), "{waited:?}");
     assert_eq!(seen.effects("k-503"), 1);
     println!("Retry-After: 1 honoured: retried after {waited:?}");
+    schema.drop().await;
+}
+
+/// A `Retry-After` given as an HTTP date (2 s ahead of the server's `Date`) is honoured: the 429
+/// is retried no sooner than the date. It was ignored: a 429 without a number of seconds was
+/// final, and the caller got it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_with_an_http_date_is_retried_no_sooner_than_the_date() {
+    let schema = TestSchema::new().await;
+    let canned = Canned::FirstTooManyUntil(Duration::from_secs(2));
+    let (seen, addrs) = fleet(&schema, Duration::ZERO, canned).await;
+    let client = client(IdempotencyClientLayer::new());
+    let url = format!("http://{}", addrs[0]);
+    let called = post_payment(&client, &url, Some("k-429-date"), "{}").await;
+    assert_eq!(called.status, StatusCode::CREATED, "{}", called.body);
+    assert_eq!(called.outcome.attempts, 2);
+    let arrivals = seen.arrivals("k-429-date");
+    let waited = arrivals[1] - arrivals[0];
+    // Dates have whole seconds: 2 s ahead is 1 to 2 s after the server's `Date`, itself up
+    // to a second behind.
+    assert!(waited >= Duration::from_secs(1), "retried after {waited:?}");
+    assert!(waited < Duration::from_millis(3500), "{waited:?}");
+    assert_eq!(seen.effects("k-429-date"), 1);
+    println!("Retry-After as an HTTP date honoured: retried after {waited:?}");
+    schema.drop().await;
+}
+
+/// A call whose every attempt lost its answer (the server ran it, the connection dropped)
+/// ends in an error that carries its key; the caller retries the same logical call with that
+/// key later and gets the first run's answer: one effect. Without the key, the retry was a new
+/// call, and the payment ran twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_gave_up_carries_its_key_and_a_retry_with_it_runs_nothing_twice() {
+    use tower_idempotency::client::{CallError, ClientError};
+    let schema = TestSchema::new().await;
+    let (seen, addrs) = fleet(&schema, Duration::ZERO, Canned::Nothing).await;
+    let proxy = FaultProxy::start(addrs.clone(), vec![Fault::DropAnswer]).await;
+    let client = client(
+        IdempotencyClientLayer::new()
+            .with_max_attempts(3)
+            .with_backoff(Duration::from_millis(10), Duration::from_millis(20)),
+    );
+    let request = http::Request::post(format!("{}/payments", proxy.url))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let error = client.clone().oneshot(request).await.unwrap_err();
+    let gave_up = error.downcast_ref::<CallError>().expect("a CallError");
+    assert_eq!(gave_up.attempts(), 3);
+    let key = gave_up.key().to_owned();
+    assert!(
+        gave_up.to_string().contains(&key),
+        "the message names the key: {gave_up}"
+    );
+    let source = std::error::Error::source(gave_up).expect("the last attempt's error");
+    assert!(source.downcast_ref::<ClientError>().is_none(), "{source}");
+    assert_eq!(
+        seen.arrivals(&key).len(),
+        3,
+        "every attempt carried the key"
+    );
+    assert_eq!(seen.effects(&key), 1);
+
+    // The same logical call, later, on a healthy path: the first run's answer.
+    let url = format!("http://{}", addrs[1]);
+    let again = post_payment(&client, &url, Some(&key), "{}").await;
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
+    assert!(again.outcome.replayed);
+    assert_eq!(again.body["run"], 1);
+    assert_eq!(seen.effects(&key), 1, "one payment for the logical call");
     schema.drop().await;
 }
 

@@ -39,12 +39,14 @@
 //!   the server layer refuse a call).
 //! - It never retries a definitive answer: 2xx, every other 4xx (so a 422 key-mismatch reaches
 //!   the caller at once), 500 and 501, a replay (`Idempotent-Replayed: true`).
-//! - Pauses: the server's `Retry-After` (or pushback) when it gives one, else exponential
+//! - Pauses: the server's `Retry-After` (seconds or an HTTP date) or pushback when it gives one, else exponential
 //!   backoff with full jitter; at most 4 attempts within a 30 s deadline, each cut at 10 s; a
 //!   retry budget shared by the layer's services ([`tower::retry::budget::TpsBudget`]) so that
 //!   retries stay a fraction of the calls when a whole fleet is in trouble.
-//! - When it stops, the caller gets the last answer as it was: the last response, or the last
-//!   attempt's error (the inner service's own, boxed, or a [`ClientError`]).
+//! - When it stops, the caller gets the last answer as it was: the last response, or a
+//!   [`CallError`] carrying the call's key (to retry the same logical call with later) and the
+//!   last attempt's error (the inner service's own, or a [`ClientError`]) as its source.
+//! - `Retry-After` is read as seconds or as an HTTP date (against the response's `Date`).
 //! - Every response carries a [`ClientOutcome`] extension: how many attempts the call took, and
 //!   whether the answer was a replay.
 //!
@@ -94,6 +96,72 @@ pub struct ClientOutcome {
     /// Whether the answer was the server's stored one (`Idempotent-Replayed: true`): an earlier
     /// attempt of this call (or another caller with the key) ran it.
     pub replayed: bool,
+}
+
+/// A guarded call that ended without an answer: the idempotency key every attempt carried, and
+/// the last attempt's error ([`source`](std::error::Error::source): the inner service's own, or
+/// a [`ClientError`]).
+///
+/// Its outcome is **unknown**, not failed: the server may have run it. To try the same
+/// logical call again later (a retry from a queue, a user pressing "pay" again after a
+/// reconnect), send the request with [`key`](Self::key) in the key header: the layer keeps a
+/// caller's own key, and the server answers with the first run's outcome, or runs it if none
+/// did. A new key would be a new call: its effect could happen twice.
+///
+/// ```no_run
+/// # async fn run(client: impl tower::Service<http::Request<http_body_util::Full<bytes::Bytes>>, Response = http::Response<()>, Error = tower_idempotency::store::BoxError> + Clone) -> Result<(), tower_idempotency::store::BoxError> {
+/// use tower::ServiceExt;
+/// use tower_idempotency::client::CallError;
+///
+/// let request = || http::Request::post("http://127.0.0.1:3000/payments").body(Default::default());
+/// let key = match client.clone().oneshot(request()?).await {
+///     Ok(response) => return Ok(()),
+///     Err(error) => match error.downcast_ref::<CallError>() {
+///         Some(gave_up) => gave_up.key().to_owned(), // keep it with the pending work
+///         None => return Err(error),
+///     },
+/// };
+/// // Later, the same logical call:
+/// let mut again = request()?;
+/// again.headers_mut().insert("idempotency-key", key.parse()?);
+/// client.oneshot(again).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the call with idempotency key {key} ended without an answer after {attempts} attempt(s); \
+     its outcome is unknown: retry it with the same key"
+)]
+pub struct CallError {
+    key: String,
+    attempts: u32,
+    #[source]
+    source: crate::store::BoxError,
+}
+
+impl CallError {
+    pub(crate) fn new(key: String, attempts: u32, source: crate::store::BoxError) -> Self {
+        Self {
+            key,
+            attempts,
+            source,
+        }
+    }
+
+    /// The idempotency key the call's attempts carried: send it again to retry the call.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The attempts made (0 when the request's body failed before any was sent).
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// The last attempt's error.
+    pub fn into_source(self) -> crate::store::BoxError {
+        self.source
+    }
 }
 
 /// Why the client gave up an attempt (the inner service's own errors are passed on as they are).

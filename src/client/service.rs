@@ -18,7 +18,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use super::{
-    ClientError, ClientOutcome,
+    CallError, ClientError, ClientOutcome,
     body::{self, ClientBody, Read},
     layer::ClientSettings,
     verdict::{self, Verdict},
@@ -105,17 +105,19 @@ where
     let span =
         tracing::debug_span!("idempotency_client", key = %shown, attempts = tracing::field::Empty);
     let call = async {
-        let body = match body::read(body, settings.max_body).await? {
-            Read::Whole(bytes) => bytes,
-            Read::TooLarge(body) => {
+        let body = match body::read(body, settings.max_body).await {
+            Ok(Read::Whole(bytes)) => bytes,
+            Ok(Read::TooLarge(body)) => {
                 tracing::debug!("request body over the buffer limit: sent once, not retried");
                 let answer = inner.call(Request::from_parts(parts, body)).await;
-                return finish(answer.map_err(Into::into), 1);
+                return (answer.map_err(Into::into), 1);
             }
+            Err(error) => return (Err(error), 0),
         };
         Retrying::new(&settings, parts, body).run(&mut inner).await
     };
-    call.instrument(span).await
+    let (answer, attempts) = call.instrument(span).await;
+    finish(answer, attempts).map_err(|error| CallError::new(key, attempts, error).into())
 }
 
 /// The key of this logical call: the caller's, or a fresh random one.
@@ -162,7 +164,11 @@ impl<'a> Retrying<'a> {
         }
     }
 
-    async fn run<S, B, ResBody>(mut self, inner: &mut S) -> Result<Response<ResBody>, BoxError>
+    /// The attempts until the answer for the caller: that answer, and how many were made.
+    async fn run<S, B, ResBody>(
+        mut self,
+        inner: &mut S,
+    ) -> (Result<Response<ResBody>, BoxError>, u32)
     where
         S: Service<Request<ClientBody<B>>, Response = Response<ResBody>>,
         S::Error: Into<BoxError>,
@@ -173,7 +179,7 @@ impl<'a> Retrying<'a> {
             let answer = self.attempt(inner).await;
             let Some(pause) = self.pause_after(&answer, attempt) else {
                 tracing::Span::current().record("attempts", attempt);
-                return finish(answer, attempt);
+                return (answer, attempt);
             };
             if !self.settings.budget.withdraw() {
                 tracing::debug!(
@@ -182,7 +188,7 @@ impl<'a> Retrying<'a> {
                 );
                 crate::telemetry::client_retry_denied();
                 tracing::Span::current().record("attempts", attempt);
-                return finish(answer, attempt);
+                return (answer, attempt);
             }
             crate::telemetry::client_retry();
             tracing::debug!(attempt, ?pause, "retrying with the same key");

@@ -1,9 +1,12 @@
 //! What an attempt's answer means for the logical call: final (hand it to the caller), or worth
 //! another attempt with the same key, and after how long.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use http::{HeaderMap, StatusCode, header::RETRY_AFTER};
+use http::{
+    HeaderMap, StatusCode,
+    header::{DATE, RETRY_AFTER},
+};
 
 use crate::headers::IDEMPOTENT_REPLAYED;
 
@@ -45,16 +48,20 @@ pub(crate) fn of_response(status: StatusCode, headers: &HeaderMap, grpc: bool) -
     }
 }
 
-/// A `Retry-After` in seconds (an HTTP date is not read: the backoff applies instead).
+/// A `Retry-After`: seconds, or an HTTP date. A date is read against the response's own `Date`
+/// (the server's clock, as every time in the protocol), or this machine's clock when the
+/// response has none; one already past means "now".
 fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    let seconds: u64 = headers
-        .get(RETRY_AFTER)?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(Duration::from_secs(seconds))
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    let now = headers
+        .get(DATE)
+        .and_then(|date| httpdate::parse_http_date(date.to_str().ok()?).ok())
+        .unwrap_or_else(SystemTime::now);
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
 /// Exponential backoff with full jitter: before attempt `attempt + 1` (the first retry after
@@ -114,9 +121,45 @@ mod tests {
         // A replay is the answer, whatever it says.
         let replayed = [("retry-after", "2"), ("idempotent-replayed", "true")];
         assert_eq!(http(503, &replayed), Verdict::Final);
-        // An HTTP date is not a number of seconds: the backoff applies.
-        let dated = [("retry-after", "Wed, 21 Oct 2026 07:28:00 GMT")];
-        assert_eq!(http(503, &dated), Verdict::Retry { after: None });
+        // An unreadable hint: the backoff applies (and a 429 without one is final).
+        let unreadable = [("retry-after", "soon")];
+        assert_eq!(http(503, &unreadable), Verdict::Retry { after: None });
+        assert_eq!(http(429, &unreadable), Verdict::Final);
+    }
+
+    #[test]
+    fn a_retry_after_date_is_read_against_the_servers_date() {
+        let dated = [
+            ("date", "Wed, 21 Oct 2026 07:28:00 GMT"),
+            ("retry-after", "Wed, 21 Oct 2026 07:28:03 GMT"),
+        ];
+        let after = Some(Duration::from_secs(3));
+        assert_eq!(http(429, &dated), Verdict::Retry { after });
+        assert_eq!(http(409, &dated), Verdict::Retry { after });
+        assert_eq!(http(503, &dated), Verdict::Retry { after });
+        // The obsolete formats RFC 9110 asks recipients to accept.
+        let rfc850 = [
+            ("date", "Wednesday, 21-Oct-26 07:28:00 GMT"),
+            ("retry-after", "Wed Oct 21 07:28:05 2026"),
+        ];
+        let after = Some(Duration::from_secs(5));
+        assert_eq!(http(503, &rfc850), Verdict::Retry { after });
+        // A date already past: retry now.
+        let past = [
+            ("date", "Wed, 21 Oct 2026 07:28:00 GMT"),
+            ("retry-after", "Wed, 21 Oct 2026 07:27:00 GMT"),
+        ];
+        let now = Some(Duration::ZERO);
+        assert_eq!(http(429, &past), Verdict::Retry { after: now });
+        // Without the server's `Date`, against this machine's clock.
+        let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(60));
+        let mut headers = HeaderMap::new();
+        headers.insert(RETRY_AFTER, HeaderValue::from_str(&later).unwrap());
+        let verdict = of_response(StatusCode::TOO_MANY_REQUESTS, &headers, false);
+        let Verdict::Retry { after: Some(after) } = verdict else {
+            panic!("{verdict:?}");
+        };
+        assert!(after > Duration::from_secs(58) && after <= Duration::from_secs(60));
     }
 
     #[test]
