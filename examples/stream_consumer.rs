@@ -24,14 +24,13 @@
 //! | `CLAIM_IDLE_MS` | how long a message stays pending before another consumer takes it (2000) |
 //! | `IDEMPOTENCY_LEASE_MS` | the claim's lease (30000) |
 
-use std::{env, time::Duration};
+#[path = "consumers/shipping.rs"]
+mod shipping;
+
+use std::time::Duration;
 
 use redis::{Value, aio::MultiplexedConnection};
-use sqlx::PgPool;
-use tower_idempotency::{
-    store::PostgresStore,
-    work::{Once, Unit, WorkError},
-};
+use shipping::{Shipping, millis, var};
 
 /// One message: its stream id, order id and payload.
 struct Message {
@@ -42,47 +41,15 @@ struct Message {
 
 #[tokio::main]
 async fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
-    let var = |name: &str, default: &str| env::var(name).unwrap_or_else(|_| default.to_owned());
-    let millis = |name: &str, default: u64| {
-        Duration::from_millis(
-            env::var(name)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(default),
-        )
-    };
+    shipping::log();
     let stream = var("STREAM", "orders");
     let group = var("GROUP", "shipping");
     let consumer = var("CONSUMER", &format!("consumer-{}", std::process::id()));
-    let (work, idle) = (millis("WORK_MS", 0), millis("CLAIM_IDLE_MS", 2000));
+    let idle = millis("CLAIM_IDLE_MS", 2000);
+    let shipping = Shipping::open(consumer.clone()).await;
 
-    let pool = PgPool::connect(&env::var("DATABASE_URL").expect("DATABASE_URL"))
-        .await
-        .expect("Postgres");
-    let store = PostgresStore::new(pool.clone());
-    store.migrate().await.expect("migrations");
-    // Consumers starting together would race on `CREATE TABLE IF NOT EXISTS`: one at a time.
-    let mut tx = pool.begin().await.expect("Postgres");
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('tower-idempotency examples'))")
-        .execute(&mut *tx)
-        .await
-        .expect("the advisory lock");
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS shipments (
-             order_id text NOT NULL, consumer text NOT NULL, shipped_at timestamptz DEFAULT now())",
-    )
-    .execute(&mut *tx)
-    .await
-    .expect("the shipments table");
-    tx.commit().await.expect("the shipments table");
-    let once = Once::new(store).with_lease(millis("IDEMPOTENCY_LEASE_MS", 30_000));
-
-    let client = redis::Client::open(env::var("REDIS_URL").expect("REDIS_URL")).expect("REDIS_URL");
+    let client =
+        redis::Client::open(std::env::var("REDIS_URL").expect("REDIS_URL")).expect("REDIS_URL");
     let mut redis = client
         .get_multiplexed_async_connection()
         .await
@@ -100,7 +67,8 @@ async fn main() {
     loop {
         let messages = next(&mut redis, &stream, &group, &consumer, idle).await;
         for message in messages {
-            if !consume(&once, &pool, &consumer, work, &message).await {
+            let payload = message.payload.as_bytes();
+            if !shipping.ship(&message.order_id, payload).await {
                 continue;
             }
             let _: Result<i64, _> = redis::cmd("XACK")
@@ -192,61 +160,4 @@ fn messages(entries: Value) -> Vec<Message> {
         });
     }
     messages
-}
-
-/// One delivery: the shipment, once per order, fenced. Whether to acknowledge the message: not
-/// when it was not delivered (it failed, or another delivery still runs it), so that the
-/// stream redelivers it.
-async fn consume(
-    once: &Once,
-    pool: &PgPool,
-    consumer: &str,
-    work: Duration,
-    message: &Message,
-) -> bool {
-    let Ok(unit) = Unit::new("orders", &message.order_id, message.payload.as_bytes()) else {
-        tracing::error!(id = %message.id, "a message without a valid order_id: dropped");
-        return true;
-    };
-    let shipped = once
-        .run(unit, |claim| async move {
-            tokio::time::sleep(work).await;
-            let mut tx = pool.begin().await?;
-            // The fence: a delivery whose claim another took over writes nothing.
-            claim
-                .commit(&mut tx)
-                .await
-                .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-            sqlx::query("INSERT INTO shipments (order_id, consumer) VALUES ($1, $2)")
-                .bind(&message.order_id)
-                .bind(consumer)
-                .execute(&mut *tx)
-                .await?;
-            // The outcome commits with the shipment: a consumer killed right after this
-            // commit leaves the next delivery its outcome, not "outcome unknown".
-            let outcome = format!("shipped by {consumer}");
-            claim
-                .commit_with_outcome(&mut tx, &outcome)
-                .await
-                .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-            tx.commit().await?;
-            Ok::<_, sqlx::Error>(outcome)
-        })
-        .await;
-    match shipped {
-        Ok(done) => {
-            let (order, outcome) = (&message.order_id, &done.value);
-            tracing::info!(%order, replayed = done.replayed, %outcome, "delivered");
-            true
-        }
-        Err(error @ (WorkError::Mismatch | WorkError::OutcomeUnknown)) => {
-            tracing::error!(order = %message.order_id, %error, "dropped: it will never ship again");
-            true
-        }
-        Err(error) => {
-            let order = &message.order_id;
-            tracing::warn!(%order, %error, "not delivered; the stream redelivers it");
-            false
-        }
-    }
 }

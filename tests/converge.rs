@@ -374,17 +374,8 @@ async fn blocks_the_only_thread(
     let mut second_runs = 0;
     for i in 0..keys {
         let key = format!("only-thread-{i}-{}", uuid::Uuid::new_v4().simple());
-        let first = tokio::spawn({
-            let (url, key) = (url.clone(), key.clone());
-            async move {
-                let headers = [("idempotency-key", key.as_str())];
-                support::send(http::Method::POST, &url, &headers, "").await
-            }
-        });
-        // Past the lease while A's only thread is blocked.
-        tokio::time::sleep(lease + Duration::from_millis(400)).await;
-        let retry = call(&instance_b, post_key(&key)).await;
-        let first = first.await.unwrap().unwrap();
+        // The retry comes past the lease while A's only thread is blocked.
+        let (first, retry) = first_then_retry(&url, &instance_b, &key, lease).await;
         assert_eq!(first.status, StatusCode::CREATED);
         assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
         second_runs += effects.of(&key) - 1;
@@ -394,6 +385,26 @@ async fn blocks_the_only_thread(
          keys, second executions {second_runs}"
     );
     assert_eq!(second_runs, 0);
+}
+
+/// Sends `key` to instance A at `url`, then, 400 ms past `lease`, to `instance_b`: A's answer
+/// and B's.
+async fn first_then_retry(
+    url: &str,
+    instance_b: &Router,
+    key: &str,
+    lease: Duration,
+) -> (Answer, Answer) {
+    let first = tokio::spawn({
+        let (url, key) = (url.to_owned(), key.to_owned());
+        async move {
+            let headers = [("idempotency-key", key.as_str())];
+            support::send(http::Method::POST, &url, &headers, "").await
+        }
+    });
+    tokio::time::sleep(lease + Duration::from_millis(400)).await;
+    let retry = call(instance_b, post_key(key)).await;
+    (first.await.unwrap().unwrap(), retry)
 }
 
 /// The runtime an instance runs on.
@@ -462,18 +473,9 @@ async fn a_grant_seen_after_its_lease(
     for i in 0..keys {
         let key = format!("lapsed-{i}-{}", uuid::Uuid::new_v4().simple());
         armed.store(true, SeqCst);
-        let first = tokio::spawn({
-            let (url, key) = (url.clone(), key.clone());
-            async move {
-                let headers = [("idempotency-key", key.as_str())];
-                support::send(http::Method::POST, &url, &headers, "").await
-            }
-        });
-        // Past A's lease while A's runtime is still blocked on the grant.
-        tokio::time::sleep(lease + Duration::from_millis(400)).await;
-        let retry = call(&instance_b, post_key(&key)).await;
+        // The retry comes past A's lease while A's runtime is still blocked on the grant.
+        let (first, retry) = first_then_retry(&url, &instance_b, &key, lease).await;
         assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        let first = first.await.unwrap().unwrap();
         assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
         assert_eq!(first.body, retry.body, "A's caller gets the key's answer");
         second_runs += effects.of(&key) - 1;

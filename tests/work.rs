@@ -231,6 +231,17 @@ async fn committed_then_gone(once: &Once, pool: &sqlx::PgPool, key: &str, with_o
     let _ = delivery.await;
 }
 
+/// A schema with a `shipments` table, and the store on it.
+async fn shipments_schema() -> (TestSchema, tower_idempotency::store::PostgresStore) {
+    let schema = TestSchema::new().await;
+    sqlx::query("CREATE TABLE shipments (order_id text PRIMARY KEY)")
+        .execute(&schema.pool)
+        .await
+        .unwrap();
+    let store = tower_idempotency::store::PostgresStore::new(schema.pool.clone());
+    (schema, store)
+}
+
 async fn shipments(pool: &sqlx::PgPool, key: &str) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM shipments WHERE order_id = $1")
         .bind(key)
@@ -244,12 +255,7 @@ async fn shipments(pool: &sqlx::PgPool, key: &str) -> i64 {
 /// lease (a plain commit leaves `OutcomeUnknown` for the whole retention, as shown last).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unit_committed_with_its_outcome_then_killed_is_replayed_at_once() {
-    let schema = TestSchema::new().await;
-    sqlx::query("CREATE TABLE shipments (order_id text PRIMARY KEY)")
-        .execute(&schema.pool)
-        .await
-        .unwrap();
-    let store = tower_idempotency::store::PostgresStore::new(schema.pool.clone());
+    let (schema, store) = shipments_schema().await;
     let lease = Duration::from_millis(300);
     let once = Once::new(store).with_lease(lease).with_wait(Duration::ZERO);
     let never = |_| async { Ok::<String, std::io::Error>("ran again".to_owned()) };
@@ -279,12 +285,7 @@ async fn a_unit_committed_with_its_outcome_then_killed_is_replayed_at_once() {
 /// stored once and replayed to every later delivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_recovery_hook_gives_a_unit_committed_then_killed_its_outcome() {
-    let schema = TestSchema::new().await;
-    sqlx::query("CREATE TABLE shipments (order_id text PRIMARY KEY)")
-        .execute(&schema.pool)
-        .await
-        .unwrap();
-    let store = tower_idempotency::store::PostgresStore::new(schema.pool.clone());
+    let (schema, store) = shipments_schema().await;
     let recovered = Arc::new(AtomicUsize::new(0));
     let once = Once::new(store)
         .with_lease(Duration::from_millis(300))

@@ -74,61 +74,49 @@ where
     F: FnOnce(IdempotencyClaim) -> Fut,
     Fut: Future<Output = Result<Bytes, E>>,
 {
-    let delivered = run(engine, record, fingerprint, wait, work).await;
+    let delivered = async {
+        let settings = &engine.settings;
+        let mut claim = ClaimRequest::new(record, fingerprint, owner_token(), settings.lease);
+        let (lease, keeper) = match held(engine, &mut claim, wait).await {
+            Ok(held) => held,
+            Err(delivered) => return delivered,
+        };
+        let granted = IdempotencyClaim::granted(
+            lease.clone(),
+            (settings.retention, settings.lease),
+            Arc::clone(&settings.store_rules),
+            Arc::default(),
+        );
+        let started = Instant::now();
+        let (stored, completion, delivered) = match work(granted).await {
+            Ok(outcome) => (
+                StoredResponse::of_outcome(outcome.clone()),
+                Completion::Complete,
+                Delivered::Executed(outcome),
+            ),
+            // Released for the next delivery; a committed key is completed, as a failure.
+            Err(error) => (
+                StoredResponse::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    HeaderMap::new(),
+                    Some(Bytes::new()),
+                    None,
+                ),
+                Completion::Release,
+                Delivered::Failed(error),
+            ),
+        };
+        engine.telemetry.handler_took(started.elapsed());
+        match settle(engine, &lease, &stored, completion, keeper).await {
+            Finalized::Superseded if matches!(delivered, Delivered::Executed(_)) => {
+                Box::pin(superseded(engine, &claim, wait)).await
+            }
+            _ => delivered,
+        }
+    }
+    .await;
     engine.telemetry.unit(delivered.outcome());
     delivered
-}
-
-/// [`deliver`], uncounted.
-async fn run<F, Fut, E>(
-    engine: &Arc<Engine>,
-    record: RecordKey,
-    fingerprint: Fingerprint,
-    wait: Duration,
-    work: F,
-) -> Delivered<E>
-where
-    F: FnOnce(IdempotencyClaim) -> Fut,
-    Fut: Future<Output = Result<Bytes, E>>,
-{
-    let settings = &engine.settings;
-    let mut claim = ClaimRequest::new(record, fingerprint, owner_token(), settings.lease);
-    let (lease, keeper) = match held(engine, &mut claim, wait).await {
-        Ok(held) => held,
-        Err(delivered) => return delivered,
-    };
-    let granted = IdempotencyClaim::granted(
-        lease.clone(),
-        (settings.retention, settings.lease),
-        Arc::clone(&settings.store_rules),
-        Arc::default(),
-    );
-    let started = Instant::now();
-    let (stored, completion, delivered) = match work(granted).await {
-        Ok(outcome) => (
-            StoredResponse::of_outcome(outcome.clone()),
-            Completion::Complete,
-            Delivered::Executed(outcome),
-        ),
-        // Released for the next delivery; a committed key is completed, as a failure.
-        Err(error) => (
-            StoredResponse::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                HeaderMap::new(),
-                Some(Bytes::new()),
-                None,
-            ),
-            Completion::Release,
-            Delivered::Failed(error),
-        ),
-    };
-    engine.telemetry.handler_took(started.elapsed());
-    match settle(engine, &lease, &stored, completion, keeper).await {
-        Finalized::Superseded if matches!(delivered, Delivered::Executed(_)) => {
-            Box::pin(superseded(engine, &claim, wait)).await
-        }
-        _ => delivered,
-    }
 }
 
 /// Claims the key (again, by a new owner, if a grant came too late to act on) until a lease

@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 mod apps;
+mod brokers;
 mod clients;
 mod cluster;
 mod servers;
@@ -11,7 +12,7 @@ mod stores;
 
 // Each test uses some of them.
 #[allow(unused_imports)]
-pub use self::{apps::*, clients::*, cluster::*, servers::*, stores::*};
+pub use self::{apps::*, brokers::*, clients::*, cluster::*, servers::*, stores::*};
 
 use std::{
     net::TcpListener,

@@ -1,0 +1,131 @@
+//! What the queue-consumer examples share: the shipment each order's message asks for, written
+//! once per order through `Once::run` whatever the broker redelivers, and the settings they read
+//! from the environment. Each example is the broker's half: how it receives, acknowledges and
+//! hands back a message.
+
+use std::{env, time::Duration};
+
+use sqlx::PgPool;
+use tower_idempotency::{
+    store::PostgresStore,
+    work::{Once, Unit, WorkError},
+};
+
+/// An environment variable, or `default`.
+pub fn var(name: &str, default: &str) -> String {
+    env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
+/// An environment variable in milliseconds, or `default`.
+pub fn millis(name: &str, default: u64) -> Duration {
+    Duration::from_millis(
+        env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default),
+    )
+}
+
+/// Logs to standard output, at `RUST_LOG` (info by default).
+pub fn log() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+}
+
+/// Where shipments are written, and how: the `shipments` table in `DATABASE_URL`, and
+/// `Once` on the same Postgres.
+pub struct Shipping {
+    once: Once,
+    pool: PgPool,
+    consumer: String,
+    work: Duration,
+}
+
+impl Shipping {
+    /// Connects to `DATABASE_URL`, runs the crate's migrations and makes the `shipments`
+    /// table. `WORK_MS` of work per message; `IDEMPOTENCY_LEASE_MS` the claim's lease.
+    pub async fn open(consumer: String) -> Self {
+        let pool = PgPool::connect(&env::var("DATABASE_URL").expect("DATABASE_URL"))
+            .await
+            .expect("Postgres");
+        let store = PostgresStore::new(pool.clone());
+        store.migrate().await.expect("migrations");
+        // Consumers starting together would race on `CREATE TABLE IF NOT EXISTS`: one at a time.
+        let mut tx = pool.begin().await.expect("Postgres");
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('tower-idempotency examples'))")
+            .execute(&mut *tx)
+            .await
+            .expect("the advisory lock");
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS shipments (
+                 order_id text NOT NULL, consumer text NOT NULL,
+                 shipped_at timestamptz DEFAULT now())",
+        )
+        .execute(&mut *tx)
+        .await
+        .expect("the shipments table");
+        tx.commit().await.expect("the shipments table");
+        let once = Once::new(store).with_lease(millis("IDEMPOTENCY_LEASE_MS", 30_000));
+        let work = millis("WORK_MS", 0);
+        Self {
+            once,
+            pool,
+            consumer,
+            work,
+        }
+    }
+
+    /// One delivery of `order_id`'s message: the shipment, once per order, fenced, its outcome
+    /// stored with it. Whether to acknowledge the message: not when it was not delivered (it
+    /// failed, or another delivery still runs it), so that the broker delivers it again.
+    pub async fn ship(&self, order_id: &str, payload: &[u8]) -> bool {
+        let Ok(unit) = Unit::new("orders", order_id, payload) else {
+            tracing::error!(%order_id, "a message without a valid order id: dropped");
+            return true;
+        };
+        let (pool, consumer, work) = (&self.pool, &self.consumer, self.work);
+        let shipped = self
+            .once
+            .run(unit, |claim| async move {
+                tokio::time::sleep(work).await;
+                let mut tx = pool.begin().await?;
+                // The fence: a delivery whose claim another took over writes nothing.
+                let fenced =
+                    |e: tower_idempotency::store::FenceError| sqlx::Error::Protocol(e.to_string());
+                claim.commit(&mut tx).await.map_err(fenced)?;
+                sqlx::query("INSERT INTO shipments (order_id, consumer) VALUES ($1, $2)")
+                    .bind(claim.key().as_str())
+                    .bind(consumer)
+                    .execute(&mut *tx)
+                    .await?;
+                // The outcome commits with the shipment: a consumer killed right after this
+                // commit leaves the next delivery its outcome, not "outcome unknown".
+                let outcome = format!("shipped by {consumer}");
+                claim
+                    .commit_with_outcome(&mut tx, &outcome)
+                    .await
+                    .map_err(fenced)?;
+                tx.commit().await?;
+                Ok::<_, sqlx::Error>(outcome)
+            })
+            .await;
+        match shipped {
+            Ok(done) => {
+                let outcome = &done.value;
+                tracing::info!(order = %order_id, replayed = done.replayed, %outcome, "delivered");
+                true
+            }
+            Err(error @ (WorkError::Mismatch | WorkError::OutcomeUnknown)) => {
+                tracing::error!(order = %order_id, %error, "dropped: it will never ship again");
+                true
+            }
+            Err(error) => {
+                tracing::warn!(order = %order_id, %error, "not delivered; the broker redelivers it");
+                false
+            }
+        }
+    }
+}
