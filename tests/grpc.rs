@@ -387,3 +387,53 @@ async fn a_tonic_client_through_the_client_layer_retries_what_grpc_says_to_retry
     assert!(outcome(&second).replayed);
     assert_eq!(probe.runs.load(SeqCst), 3, "the in-flight call ran once");
 }
+
+/// A gRPC status sent in the trailers of a full answer (headers, then trailers saying
+/// UNAVAILABLE: what a proxy or another server may send instead of a trailers-only answer) is
+/// read before the client decides: retried with the same key, and the retry's answer returned.
+/// It reached the caller as a failed call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_status_in_the_trailers_of_a_full_answer_is_retried() {
+    use http_body_util::BodyExt;
+    use tower::{Service, ServiceBuilder, ServiceExt};
+    use tower_idempotency::client::{ClientOutcome, IdempotencyClientLayer};
+
+    let probe = Probe::default();
+    let url = serve_at(IdempotencyLayer::new(MemoryStore::new()), &probe).await;
+    let channel = Channel::from_shared(url).unwrap().connect().await.unwrap();
+    let refuse_next = Arc::new(AtomicBool::new(true));
+    let first_refused = tower::service_fn(move |request: http::Request<tonic::body::Body>| {
+        let (mut channel, refuse_next) = (channel.clone(), Arc::clone(&refuse_next));
+        async move {
+            if refuse_next.swap(false, SeqCst) {
+                let mut trailers = http::HeaderMap::new();
+                trailers.insert("grpc-status", "14".parse().unwrap());
+                trailers.insert("grpc-message", "overloaded".parse().unwrap());
+                let body = http_body_util::Empty::<bytes::Bytes>::new()
+                    .with_trailers(async move { Some(Ok(trailers)) });
+                let response = http::Response::builder()
+                    .header("content-type", "application/grpc")
+                    .body(tonic::body::Body::new(body))
+                    .unwrap();
+                return Ok(response);
+            }
+            channel.ready().await?.call(request).await
+        }
+    });
+    let retrying = ServiceBuilder::new()
+        .layer(
+            IdempotencyClientLayer::new()
+                .with_backoff(Duration::from_millis(20), Duration::from_millis(100)),
+        )
+        .map_request(|request: http::Request<_>| request.map(tonic::body::Body::new))
+        .service(first_refused);
+    let mut client = PaymentsClient::new(retrying);
+    let paid = client
+        .create_payment(create("g-trailers", 4900))
+        .await
+        .unwrap();
+    let outcome = *paid.extensions().get::<ClientOutcome>().unwrap();
+    assert_eq!(outcome.attempts, 2, "the trailers' UNAVAILABLE was retried");
+    assert_eq!(probe.runs.load(SeqCst), 1);
+    assert_eq!(paid.get_ref().idempotency_key, "g-trailers");
+}

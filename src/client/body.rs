@@ -123,21 +123,120 @@ where
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             Inner::Prefixed { read, rest } => {
-                let read: u64 = read.iter().map(|d| d.len() as u64).sum();
-                let rest = rest.size_hint();
-                let mut hint = SizeHint::new();
-                hint.set_lower(rest.lower() + read);
-                if let Some(upper) = rest.upper() {
-                    hint.set_upper(upper + read);
-                }
-                hint
+                let read = read.iter().map(|d| d.len() as u64).sum();
+                prefixed_hint(read, rest.size_hint())
             }
         }
     }
 }
 
+/// The size of `read` bytes followed by a body of size `rest`.
+fn prefixed_hint(read: u64, rest: SizeHint) -> SizeHint {
+    let mut hint = SizeHint::new();
+    hint.set_lower(rest.lower() + read);
+    if let Some(upper) = rest.upper() {
+        hint.set_upper(upper + read);
+    }
+    hint
+}
+
 impl<B> std::fmt::Debug for ClientBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ClientBody").finish_non_exhaustive()
+    }
+}
+
+pin_project! {
+    /// The body of a response an [`IdempotencyClient`](super::IdempotencyClient) returns: the
+    /// server's, as it comes; for a gRPC answer whose status comes in its trailers, the frames
+    /// read to see that status, then the rest.
+    pub struct ClientResponseBody<B> {
+        read: VecDeque<Frame<Bytes>>,
+        // Whether `rest` already ended (a body is not polled again after it did).
+        ended: bool,
+        #[pin]
+        rest: B,
+    }
+}
+
+impl<B> ClientResponseBody<B> {
+    /// The server's body, untouched.
+    pub(crate) fn live(body: B) -> Self {
+        Self {
+            read: VecDeque::new(),
+            ended: false,
+            rest: body,
+        }
+    }
+
+    /// The trailers read ahead, if the body was read to its end.
+    pub(crate) fn trailers(&self) -> Option<&http::HeaderMap> {
+        self.read.back()?.trailers_ref()
+    }
+}
+
+/// Reads a response body to its trailers, within `limit` bytes of data (a larger one is read
+/// no further: its trailers are not seen). What was read is replayed by the returned body.
+pub(crate) async fn read_to_trailers<B>(
+    body: B,
+    limit: usize,
+) -> Result<ClientResponseBody<B>, BoxError>
+where
+    B: Body + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let mut body = ClientResponseBody::live(body);
+    let mut len = 0;
+    while len <= limit {
+        let Some(frame) = pin!(&mut body.rest).frame().await else {
+            body.ended = true;
+            break;
+        };
+        let frame = frame
+            .map_err(Into::into)?
+            .map_data(|mut data| data.copy_to_bytes(data.remaining()));
+        len += frame.data_ref().map_or(0, Bytes::len);
+        body.read.push_back(frame);
+    }
+    Ok(body)
+}
+
+impl<B> Body for ClientResponseBody<B>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        match this.read.pop_front() {
+            Some(frame) => Poll::Ready(Some(Ok(frame))),
+            None if *this.ended => Poll::Ready(None),
+            None => poll_to_bytes(this.rest, cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.read.is_empty() && (self.ended || self.rest.is_end_stream())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let read = self.read.iter().filter_map(Frame::data_ref);
+        let read = read.map(|d| d.len() as u64).sum();
+        if self.ended {
+            return SizeHint::with_exact(read);
+        }
+        prefixed_hint(read, self.rest.size_hint())
+    }
+}
+
+impl<B> std::fmt::Debug for ClientResponseBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientResponseBody").finish_non_exhaustive()
     }
 }

@@ -36,7 +36,9 @@
 //!   server may have run it, and answers the retry with the same outcome), 408, 409 in flight
 //!   (a 409 with `Retry-After`), 429 with `Retry-After`, 502, 503, 504, and gRPC UNAVAILABLE or
 //!   ABORTED with `grpc-retry-pushback-ms` (trailers-only answers, which is how servers and
-//!   the server layer refuse a call).
+//!   the server layer refuse a call), or a gRPC status of either kind sent in the trailers of a
+//!   full answer: a gRPC answer without a status in its headers is read to its trailers (within
+//!   the body limit) before the client decides, and handed on as it was read.
 //! - It never retries a definitive answer: 2xx, every other 4xx (so a 422 key-mismatch reaches
 //!   the caller at once), 500 and 501, a replay (`Idempotent-Replayed: true`).
 //! - Pauses: the server's `Retry-After` (seconds or an HTTP date) or pushback when it gives one, else exponential
@@ -78,7 +80,7 @@ mod verdict;
 use std::time::Duration;
 
 pub use self::{
-    body::ClientBody,
+    body::{ClientBody, ClientResponseBody},
     layer::{
         DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_CAP,
         DEFAULT_CLIENT_ATTEMPTS, DEFAULT_CLIENT_DEADLINE, DEFAULT_CLIENT_MAX_BODY,

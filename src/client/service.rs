@@ -19,7 +19,7 @@ use tracing::Instrument;
 
 use super::{
     CallError, ClientError, ClientOutcome,
-    body::{self, ClientBody, Read},
+    body::{self, ClientBody, ClientResponseBody, Read},
     layer::ClientSettings,
     verdict::{self, Verdict},
 };
@@ -59,11 +59,12 @@ where
     S::Error: Into<BoxError>,
     B: Body + Unpin + Send + 'static,
     B::Error: Into<BoxError>,
-    ResBody: Send + 'static,
+    ResBody: Body + Unpin + Send + 'static,
+    ResBody::Error: Into<BoxError>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ClientResponseBody<ResBody>>;
     type Error = BoxError;
-    type Future = ClientFuture<Response<ResBody>>;
+    type Future = ClientFuture<Self::Response>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -85,17 +86,20 @@ async fn call<S, B, ResBody>(
     settings: Arc<ClientSettings>,
     mut inner: S,
     request: Request<B>,
-) -> Result<Response<ResBody>, BoxError>
+) -> Result<Response<ClientResponseBody<ResBody>>, BoxError>
 where
     S: Service<Request<ClientBody<B>>, Response = Response<ResBody>>,
     S::Error: Into<BoxError>,
     B: Body + Unpin,
     B::Error: Into<BoxError>,
+    ResBody: Body + Unpin,
+    ResBody::Error: Into<BoxError>,
 {
     let (mut parts, body) = request.into_parts();
     if !settings.methods.contains(&parts.method) {
         let request = Request::from_parts(parts, ClientBody::once(body));
-        return inner.call(request).await.map_err(Into::into);
+        let answer = inner.call(request).await.map_err(Into::into)?;
+        return Ok(answer.map(ClientResponseBody::live));
     }
     let key = ensure_key(&settings, &mut parts);
     let shown = crate::telemetry::Pseudonym {
@@ -110,6 +114,7 @@ where
             Ok(Read::TooLarge(body)) => {
                 tracing::debug!("request body over the buffer limit: sent once, not retried");
                 let answer = inner.call(Request::from_parts(parts, body)).await;
+                let answer = answer.map(|response| response.map(ClientResponseBody::live));
                 return (answer.map_err(Into::into), 1);
             }
             Err(error) => return (Err(error), 0),
@@ -168,10 +173,12 @@ impl<'a> Retrying<'a> {
     async fn run<S, B, ResBody>(
         mut self,
         inner: &mut S,
-    ) -> (Result<Response<ResBody>, BoxError>, u32)
+    ) -> (Result<Response<ClientResponseBody<ResBody>>, BoxError>, u32)
     where
         S: Service<Request<ClientBody<B>>, Response = Response<ResBody>>,
         S::Error: Into<BoxError>,
+        ResBody: Body + Unpin,
+        ResBody::Error: Into<BoxError>,
     {
         self.settings.budget.deposit();
         let mut attempt = 1;
@@ -197,18 +204,31 @@ impl<'a> Retrying<'a> {
         }
     }
 
-    /// One attempt, cut at the attempt timeout and the deadline.
-    async fn attempt<S, B, ResBody>(&mut self, inner: &mut S) -> Result<Response<ResBody>, BoxError>
+    /// One attempt, cut at the attempt timeout and the deadline. A gRPC answer without a
+    /// status in its headers is read to its trailers, where the status is.
+    async fn attempt<S, B, ResBody>(
+        &mut self,
+        inner: &mut S,
+    ) -> Result<Response<ClientResponseBody<ResBody>>, BoxError>
     where
         S: Service<Request<ClientBody<B>>, Response = Response<ResBody>>,
         S::Error: Into<BoxError>,
+        ResBody: Body + Unpin,
+        ResBody::Error: Into<BoxError>,
     {
         let request = self.request();
         let left = self.deadline.saturating_duration_since(Instant::now());
         let limit = self.settings.attempt_timeout.min(left);
+        let (grpc, max_body) = (self.grpc, self.settings.max_body);
         let sent = async {
             let ready = inner.ready().await.map_err(Into::into)?;
-            ready.call(request).await.map_err(Into::into)
+            let response = ready.call(request).await.map_err(Into::into)?;
+            if !grpc || response.headers().contains_key("grpc-status") {
+                return Ok(response.map(ClientResponseBody::live));
+            }
+            let (parts, body) = response.into_parts();
+            let body = body::read_to_trailers(body, max_body).await?;
+            Ok(Response::from_parts(parts, body))
         };
         match tokio::time::timeout(limit, sent).await {
             Ok(answer) => answer,
@@ -240,12 +260,14 @@ impl<'a> Retrying<'a> {
     /// How long to pause before another attempt, or `None` when `answer` goes to the caller.
     fn pause_after<T>(
         &mut self,
-        answer: &Result<Response<T>, BoxError>,
+        answer: &Result<Response<ClientResponseBody<T>>, BoxError>,
         attempt: u32,
     ) -> Option<Duration> {
         let hint = match answer {
             Ok(response) => {
-                match verdict::of_response(response.status(), response.headers(), self.grpc) {
+                let (status, headers) = (response.status(), response.headers());
+                let trailers = response.body().trailers();
+                match verdict::of_response(status, headers, trailers, self.grpc) {
                     Verdict::Final => return None,
                     Verdict::Retry { after } => after,
                 }

@@ -23,14 +23,25 @@ pub(crate) enum Verdict {
 ///
 /// Retried: 408, 409 with `Retry-After` (the key is in flight: the layer's other 409s, outcome
 /// unknown and response not stored, carry none and are final), 429 with `Retry-After`, 502, 503
-/// and 504; for gRPC, a trailers-only UNAVAILABLE, or ABORTED with `grpc-retry-pushback-ms`.
+/// and 504; for gRPC, UNAVAILABLE, or ABORTED with `grpc-retry-pushback-ms`, whether the status
+/// came in the headers (a trailers-only answer) or in the `trailers` read from the body.
 /// Everything else is final, a replay (`Idempotent-Replayed`) always.
-pub(crate) fn of_response(status: StatusCode, headers: &HeaderMap, grpc: bool) -> Verdict {
+pub(crate) fn of_response(
+    status: StatusCode,
+    headers: &HeaderMap,
+    trailers: Option<&HeaderMap>,
+    grpc: bool,
+) -> Verdict {
     if headers.contains_key(IDEMPOTENT_REPLAYED) {
         return Verdict::Final;
     }
-    if grpc && let Some(code) = headers.get("grpc-status") {
-        let pushback = headers
+    let said = [Some(headers), trailers]
+        .into_iter()
+        .flatten()
+        .find(|map| map.contains_key("grpc-status"));
+    if grpc && let Some(said) = said {
+        let code = &said["grpc-status"];
+        let pushback = said
             .get("grpc-retry-pushback-ms")
             .and_then(|v| v.to_str().ok()?.parse().ok())
             .map(Duration::from_millis);
@@ -98,6 +109,7 @@ mod tests {
         of_response(
             StatusCode::from_u16(status).unwrap(),
             &headers(pairs),
+            None,
             false,
         )
     }
@@ -155,7 +167,7 @@ mod tests {
         let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(60));
         let mut headers = HeaderMap::new();
         headers.insert(RETRY_AFTER, HeaderValue::from_str(&later).unwrap());
-        let verdict = of_response(StatusCode::TOO_MANY_REQUESTS, &headers, false);
+        let verdict = of_response(StatusCode::TOO_MANY_REQUESTS, &headers, None, false);
         let Verdict::Retry { after: Some(after) } = verdict else {
             panic!("{verdict:?}");
         };
@@ -164,7 +176,7 @@ mod tests {
 
     #[test]
     fn grpc_statuses_in_trailers_only_answers() {
-        let grpc = |pairs| of_response(StatusCode::OK, &headers(pairs), true);
+        let grpc = |pairs| of_response(StatusCode::OK, &headers(pairs), None, true);
         assert_eq!(grpc(&[("grpc-status", "0")]), Verdict::Final);
         assert_eq!(grpc(&[("grpc-status", "9")]), Verdict::Final);
         assert_eq!(grpc(&[("grpc-status", "10")]), Verdict::Final);
@@ -175,8 +187,22 @@ mod tests {
         let pushback = [("grpc-status", "10"), ("grpc-retry-pushback-ms", "250")];
         let after = Some(Duration::from_millis(250));
         assert_eq!(grpc(&pushback), Verdict::Retry { after });
-        // The status of a streamed answer is in its trailers: final as far as headers tell.
+        // The status of a full answer is in its trailers.
         assert_eq!(grpc(&[]), Verdict::Final);
+        let in_trailers = |pairs| {
+            let trailers = headers(pairs);
+            of_response(StatusCode::OK, &HeaderMap::new(), Some(&trailers), true)
+        };
+        let unavailable = Verdict::Retry { after: None };
+        assert_eq!(in_trailers(&[("grpc-status", "14")]), unavailable);
+        assert_eq!(in_trailers(&[("grpc-status", "0")]), Verdict::Final);
+        let after = Some(Duration::from_millis(250));
+        assert_eq!(in_trailers(&pushback), Verdict::Retry { after });
+        // A replay is final, whatever its trailers say.
+        let replayed = headers(&[("idempotent-replayed", "true")]);
+        let trailers = headers(&[("grpc-status", "14")]);
+        let verdict = of_response(StatusCode::OK, &replayed, Some(&trailers), true);
+        assert_eq!(verdict, Verdict::Final);
     }
 
     #[test]
