@@ -804,6 +804,60 @@ async fn a_stalled_owner_loses_its_lease_and_its_finalize_changes_nothing() {
     );
 }
 
+/// An owner whose lease is really lost counts it once: its renewal, sent when the instance
+/// thawed, finds another owner, and so does its finalize; one loss, not two.
+#[tokio::test]
+async fn a_lease_lost_once_is_counted_once() {
+    let probe = Probe::gated();
+    let memory = MemoryStore::new();
+    let stalled = Faulty {
+        inner: memory.clone(),
+        fault: StoreFault::StalledRenewals(Duration::from_millis(800)),
+    };
+    let stalled_layer = IdempotencyLayer::new(stalled).with_lease(Duration::from_millis(200));
+    let stalled = app(&stalled_layer, &probe);
+    let healthy = app(&IdempotencyLayer::new(memory), &Probe::open());
+    let first = tokio::spawn({
+        let stalled = stalled.clone();
+        async move { send(&stalled, post_payment("k-lost-once", "{}")).await }
+    });
+    probe.started.notified().await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let retry = send(&healthy, post_payment("k-lost-once", "{}")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    // The stalled renewal reaches the store (and finds the retry's record), then the stale
+    // owner finalizes.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    probe.release_gate();
+    let stale = first.await.unwrap();
+    assert_eq!(stale.body, retry.body);
+    assert_eq!(stalled_layer.counters().snapshot().leases_lost, 1);
+}
+
+/// A renewal that reaches the store after this owner's own completion (the completion is
+/// written, and answered late, as when a front store hangs after the authority completed) is
+/// no loss: nothing is counted, and the key is this owner's answer.
+#[tokio::test]
+async fn a_renewal_that_meets_its_owners_own_completion_is_no_loss() {
+    let probe = Probe::open();
+    let store = Faulty {
+        inner: MemoryStore::new(),
+        fault: StoreFault::SlowCompletes(Duration::from_millis(700)),
+    };
+    let lease = Duration::from_millis(300);
+    let layer = IdempotencyLayer::new(store.clone()).with_lease(lease);
+    let app = app(&layer, &probe);
+    let answer = send(&app, post_payment("k-own", "{}")).await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    let other = IdempotencyLayer::new(store.inner.clone());
+    let replay = send(&self::app(&other, &Probe::open()), post_payment("k-own", "{}")).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, answer.body);
+    assert_eq!(probe.runs(), 1);
+    let seen = layer.counters().snapshot();
+    assert_eq!(seen.leases_lost, 0, "{seen:?}");
+}
+
 /// A service whose first response body fails after `good` bytes; later ones succeed.
 fn failing_body_service(
     good: usize,

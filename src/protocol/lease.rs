@@ -57,6 +57,11 @@ struct Held {
     started: bool,
     /// Whether a renewal found the key in another owner's hands.
     lost: bool,
+    /// Whether the key's finalize started: a renewal answered "not held" from then on may
+    /// have met this owner's own completion, and the finalize's answer tells.
+    finalizing: bool,
+    /// Whether the loss was reported (counted and logged): once per lease.
+    reported: bool,
     /// Tells a renewal that outlived its request from the slot's next holder.
     generation: u64,
 }
@@ -97,6 +102,8 @@ impl Keeper {
             confirmed: sent,
             started: false,
             lost: false,
+            finalizing: false,
+            reported: false,
             generation,
         };
         let slot = {
@@ -164,6 +171,30 @@ impl Keeper {
                 return self.look().unwrap_or(Standing::Unconfirmed);
             }
         }
+    }
+
+    /// Notes that the key's finalize starts (renewals go on while it is retried).
+    fn finalizing(&self) {
+        let mut state = self.engine.state.leases.lock();
+        if let Some(held) = state.held[self.slot].as_mut() {
+            held.finalizing = true;
+        }
+    }
+
+    /// Reports the lease lost (counted, logged), unless it was already: a finalize that found
+    /// another owner after a renewal had, or the other way round, is one loss.
+    fn report_lost(&self, what: &str) {
+        let mut state = self.engine.state.leases.lock();
+        let Some(held) = state.held[self.slot].as_mut() else {
+            return;
+        };
+        held.lost = true;
+        if std::mem::replace(&mut held.reported, true) {
+            return;
+        }
+        let lease = held.lease.clone();
+        drop(state);
+        report_lost(&self.engine, &lease, what);
     }
 
     /// Whether a renewal found the key in another owner's hands.
@@ -316,8 +347,7 @@ fn schedule(engine: &Engine, slot: usize, generation: u64, due: Instant) {
 }
 
 /// Marks the lease lost, and tells work waiting to start under it; reported as lost only if
-/// work had started: before it does, the grant only came too late to act on, and the work,
-/// which does not run, says so itself.
+/// work had started and its finalize had not (see [`Held::finalizing`]), once.
 fn lost(engine: &Engine, slot: usize, generation: u64, lease: &Lease) {
     let mut state = engine.state.leases.lock();
     let Some(held) = state.held[slot]
@@ -328,17 +358,29 @@ fn lost(engine: &Engine, slot: usize, generation: u64, lease: &Lease) {
         return;
     };
     held.lost = true;
-    let started = held.started;
+    // Before the work started, the grant only came too late to act on; once the finalize
+    // started, its own answer tells whether another owner took the key.
+    let report = held.started && !held.finalizing && !std::mem::replace(&mut held.reported, true);
     drop(state);
     engine.state.leases.renewed.notify_waiters();
-    if started {
-        engine.telemetry.lease_lost();
-        tracing::warn!(
-            record = %engine.settings.shown_record(lease.record()),
-            owner = %lease.owner(),
-            "lease lost while the handler runs; its outcome will not be stored"
+    if report {
+        report_lost(
+            engine,
+            lease,
+            "while the handler runs; its outcome will not be stored",
         );
     }
+}
+
+/// Counts and logs a lost lease.
+fn report_lost(engine: &Engine, lease: &Lease, what: &str) {
+    engine.telemetry.lease_lost();
+    tracing::warn!(
+        record = %engine.settings.shown_record(lease.record()),
+        owner = %lease.owner(),
+        fence = lease.fence(),
+        "lease lost {what}"
+    );
 }
 
 /// Records that the store kept the lease as of `started`, and tells work waiting to start.
@@ -374,10 +416,12 @@ pub(crate) async fn finalize(
     lease: &Lease,
     response: &StoredResponse,
     completion: Completion,
+    keeper: &Keeper,
 ) -> Finalized {
+    keeper.finalizing();
     let mut delay = Duration::from_millis(50);
     for attempt in 1..=QUICK_ATTEMPTS {
-        match finalize_once(engine, lease, response, completion).await {
+        match finalize_once(engine, lease, response, completion, keeper).await {
             Ok(finalized) => return finalized,
             Err(error) => {
                 tracing::warn!(
@@ -414,7 +458,7 @@ pub(crate) async fn finalize_later(
     while Instant::now() < deadline && !keeper.lost() {
         tokio::time::sleep(delay.min(deadline - Instant::now())).await;
         delay = (delay * 2).min(Duration::from_secs(5));
-        match finalize_once(engine, lease, response, completion).await {
+        match finalize_once(engine, lease, response, completion, keeper).await {
             Ok(finalized) => {
                 tracing::info!("finalized after store failures");
                 return finalized;
@@ -437,6 +481,7 @@ async fn finalize_once(
     lease: &Lease,
     response: &StoredResponse,
     completion: Completion,
+    keeper: &Keeper,
 ) -> Result<Finalized, StoreError> {
     let (settings, telemetry) = (&engine.settings, &engine.telemetry);
     let store = &settings.store;
@@ -468,8 +513,7 @@ async fn finalize_once(
             Ok(Finalized::Done)
         }
         _ => {
-            engine.telemetry.lease_lost();
-            tracing::warn!(owner = %lease.owner(), fence = lease.fence(), "lease lost before finalizing: nothing stored (another attempt holds the key)");
+            keeper.report_lost("before finalizing: nothing stored (another attempt holds the key)");
             Ok(Finalized::Superseded)
         }
     }

@@ -350,7 +350,7 @@ async fn settle<B, E>(
         completion,
     } = handled.outcome;
     let lease = attempt.lease;
-    let mut finalized = lease::finalize(engine, lease, &response, completion).await;
+    let mut finalized = lease::finalize(engine, lease, &response, completion, &keeper).await;
     // Answered only now, so that a caller who has its answer finds the key final: a retry sent
     // the moment it arrives is replayed (or runs again, if released), never refused as in
     // flight. If the store keeps failing, the caller is answered anyway and the write goes on

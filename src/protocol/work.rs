@@ -170,7 +170,7 @@ async fn settle(
     completion: Completion,
     keeper: Keeper,
 ) -> Finalized {
-    let mut finalized = lease::finalize(engine, lease, stored, completion).await;
+    let mut finalized = lease::finalize(engine, lease, stored, completion, &keeper).await;
     if let Finalized::Failing = finalized {
         let later = lease::finalize_later(engine, lease, stored, completion, &keeper);
         finalized = Box::pin(later).await;

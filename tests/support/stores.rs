@@ -21,6 +21,12 @@ pub enum StoreFault {
     LateRenewals(Duration),
     /// `complete` fails while this is set, as a store that cannot take a write would.
     FailingCompletes(std::sync::Arc<std::sync::atomic::AtomicBool>),
+    /// Renewals wait this long before they reach the store, like an instance frozen (SIGSTOP)
+    /// whose renewal goes out once it thaws: the lease runs out meanwhile.
+    StalledRenewals(Duration),
+    /// Completions are written, then answered this late (a front store that hangs after the
+    /// authority completed): renewals meanwhile meet the owner's own completed record.
+    SlowCompletes(Duration),
     /// The next claim the store grants while `armed` is set (then cleared) blocks the thread
     /// that polls it for `pause` before it answers: a runtime blocked by another handler just
     /// as the grant arrived, so the process sees it only after its lease may have run out.
@@ -62,9 +68,11 @@ impl<S: Store> Store for Faulty<S> {
                 tokio::time::sleep(*delay).await;
                 renewed
             }),
-            StoreFault::FailingCompletes(_) | StoreFault::BlockedAfterGrant { .. } => {
-                self.inner.renew(lease, duration)
-            }
+            StoreFault::StalledRenewals(delay) => Box::pin(async move {
+                tokio::time::sleep(*delay).await;
+                self.inner.renew(lease, duration).await
+            }),
+            _ => self.inner.renew(lease, duration),
         }
     }
 
@@ -84,6 +92,13 @@ impl<S: Store> Store for Faulty<S> {
                 })
             });
         }
+        if let StoreFault::SlowCompletes(delay) = &self.fault {
+            return Box::pin(async move {
+                let completed = self.inner.complete(lease, response, retention).await;
+                tokio::time::sleep(*delay).await;
+                completed
+            });
+        }
         self.inner.complete(lease, response, retention)
     }
 
@@ -98,10 +113,12 @@ impl<S: Store> Store for Faulty<S> {
     /// fault is in the renewals: then they go through it.
     fn detached(&self) -> Option<std::sync::Arc<dyn Store>> {
         match self.fault {
-            StoreFault::FailingCompletes(_) | StoreFault::BlockedAfterGrant { .. } => {
-                self.inner.detached()
-            }
-            StoreFault::FrozenRenewals | StoreFault::LateRenewals(_) => None,
+            StoreFault::FailingCompletes(_)
+            | StoreFault::BlockedAfterGrant { .. }
+            | StoreFault::SlowCompletes(_) => self.inner.detached(),
+            StoreFault::FrozenRenewals
+            | StoreFault::LateRenewals(_)
+            | StoreFault::StalledRenewals(_) => None,
         }
     }
 }
