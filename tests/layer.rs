@@ -846,11 +846,10 @@ async fn a_renewal_that_meets_its_owners_own_completion_is_no_loss() {
     };
     let lease = Duration::from_millis(300);
     let layer = IdempotencyLayer::new(store.clone()).with_lease(lease);
-    let app = app(&layer, &probe);
-    let answer = send(&app, post_payment("k-own", "{}")).await;
+    let answer = send(&app(&layer, &probe), post_payment("k-own", "{}")).await;
     assert_eq!(answer.status, StatusCode::CREATED);
-    let other = IdempotencyLayer::new(store.inner.clone());
-    let replay = send(&self::app(&other, &Probe::open()), post_payment("k-own", "{}")).await;
+    let other = app(&IdempotencyLayer::new(store.inner.clone()), &Probe::open());
+    let replay = send(&other, post_payment("k-own", "{}")).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, answer.body);
     assert_eq!(probe.runs(), 1);
