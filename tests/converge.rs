@@ -407,6 +407,25 @@ async fn first_then_retry(
     (first.await.unwrap().unwrap(), retry)
 }
 
+/// A store of its own for each instance that calls it, on `schema`: Postgres alone, or behind
+/// the Redis at `redis`. Connections made on one instance's runtime would stall with it, which
+/// is no instance's fate in a fleet.
+fn stores<'a>(
+    schema: &'a TestSchema,
+    redis: Option<&'a str>,
+) -> impl Fn() -> Arc<dyn tower_idempotency::store::Store> + 'a {
+    move || {
+        let postgres = PostgresStore::new(schema.pool.clone());
+        match redis {
+            None => Arc::new(postgres),
+            Some(url) => {
+                let redis = tower_idempotency::store::RedisStore::open(url).unwrap();
+                Arc::new(tower_idempotency::store::TieredStore::new(redis, postgres))
+            }
+        }
+    }
+}
+
 /// The runtime an instance runs on.
 #[derive(Debug, Clone, Copy)]
 enum Flavor {
@@ -444,10 +463,7 @@ fn serve_on_a_runtime_of_its_own(app: Router, flavor: Flavor) -> String {
 /// sees the grant only after its lease ran out; instance B retries the key meanwhile and runs
 /// it. A must not act on its lapsed grant: the handler's effect happens once, and A's caller
 /// gets the key's answer (B's). Before grants were checked at the start of the work, A ran the
-/// handler a second time on every key.
-///
-/// `store` makes each instance a store of its own: connections made on one instance's runtime
-/// would stall with it, which is no instance's fate in a fleet.
+/// handler a second time on every key. `store` makes each instance a store of its own.
 async fn a_grant_seen_after_its_lease(
     stores: &str,
     store: impl Fn() -> Arc<dyn tower_idempotency::store::Store>,
@@ -494,11 +510,7 @@ async fn a_grant_seen_after_its_lease(
 async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_on_postgres() {
     let schema = TestSchema::new().await;
     for flavor in [Flavor::CurrentThread, Flavor::MultiThread] {
-        let store = || {
-            Arc::new(PostgresStore::new(schema.pool.clone()))
-                as Arc<dyn tower_idempotency::store::Store>
-        };
-        a_grant_seen_after_its_lease("Postgres", store, flavor).await;
+        a_grant_seen_after_its_lease("Postgres", stores(&schema, None), flavor).await;
     }
     schema.drop().await;
 }
@@ -507,15 +519,9 @@ async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_on_postgres() {
 async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_behind_redis() {
     let schema = TestSchema::new().await;
     let redis = support::RedisServer::start().await;
-    let url = redis.url();
-    let store = || {
-        let redis = tower_idempotency::store::RedisStore::open(&url).unwrap();
-        let postgres = PostgresStore::new(schema.pool.clone());
-        Arc::new(tower_idempotency::store::TieredStore::new(redis, postgres))
-            as Arc<dyn tower_idempotency::store::Store>
-    };
+    let (url, name) = (redis.url(), "Redis in front of Postgres");
     for flavor in [Flavor::CurrentThread, Flavor::MultiThread] {
-        a_grant_seen_after_its_lease("Redis in front of Postgres", store, flavor).await;
+        a_grant_seen_after_its_lease(name, stores(&schema, Some(&url)), flavor).await;
     }
     schema.drop().await;
 }
@@ -527,4 +533,113 @@ async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_in_memory() {
         let store = || Arc::new(memory.clone()) as Arc<dyn tower_idempotency::store::Store>;
         a_grant_seen_after_its_lease("memory", store, flavor).await;
     }
+}
+
+/// The run that found lapsed grants, on two instances: handlers that block their runtime's
+/// only thread for 2 s (lease 800 ms), and every key sent to both instances at once. Claims
+/// answered while an instance's thread is blocked reach it after their lease ran out; none
+/// may run then if the other instance took the key. Every key runs once.
+async fn a_fleet_blocking_its_runtimes(
+    stores: &str,
+    store: impl Fn() -> Arc<dyn tower_idempotency::store::Store>,
+) {
+    let lease = Duration::from_millis(800);
+    let effects = Effects::default();
+    let layers: Vec<_> = (0..2)
+        .map(|_| {
+            IdempotencyLayer::from_shared_store(store())
+                .with_lease(lease)
+                .with_wait(Duration::from_secs(60))
+        })
+        .collect();
+    let urls: Vec<_> = layers
+        .iter()
+        .map(|layer| {
+            let app = Router::new()
+                .route(
+                    "/payments",
+                    post(
+                        |State(effects): State<Effects>, claim: IdempotencyClaim| async move {
+                            std::thread::sleep(Duration::from_secs(2));
+                            let count = effects.add(claim.key().as_str());
+                            (StatusCode::CREATED, format!("effect {count}"))
+                        },
+                    ),
+                )
+                .layer(layer.clone())
+                .with_state(effects.clone());
+            serve_on_a_runtime_of_its_own(app, Flavor::CurrentThread)
+        })
+        .collect();
+    let keys: Vec<_> = (0..6)
+        .map(|i| format!("blocked-fleet-{i}-{}", uuid::Uuid::new_v4().simple()))
+        .collect();
+    let mut calls = Vec::new();
+    for key in &keys {
+        for url in &urls {
+            let (url, key) = (url.clone(), key.clone());
+            calls.push(tokio::spawn(
+                async move { until_answered(&url, &key).await },
+            ));
+        }
+    }
+    let mut refused = 0;
+    for call in calls {
+        let (answer, retries) = call.await.unwrap();
+        assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+        refused += retries;
+    }
+    let second_runs: u32 = keys.iter().map(|key| effects.of(key) - 1).sum();
+    let lapsed: u64 = layers
+        .iter()
+        .map(|layer| layer.counters().snapshot().grants_lapsed)
+        .sum();
+    println!(
+        "{stores}: 2 instances whose handlers block their only thread 2 s (lease 800 ms), {} \
+         keys sent to both at once: second executions {second_runs}, grants given up {lapsed}, \
+         answers retried (503 or 409) {refused}",
+        keys.len()
+    );
+    assert_eq!(second_runs, 0);
+}
+
+/// Sends `key` to `url` as a client would, again after the `Retry-After` of a 503 (a claim
+/// that timed out on a blocked runtime) or a 409 (in flight), for up to a minute: the answer,
+/// and how many times it was sent again.
+async fn until_answered(url: &str, key: &str) -> (Answer, u32) {
+    let headers = [("idempotency-key", key)];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut retries = 0;
+    loop {
+        let answer = support::send(http::Method::POST, url, &headers, "")
+            .await
+            .unwrap();
+        let again = [StatusCode::SERVICE_UNAVAILABLE, StatusCode::CONFLICT];
+        if !again.contains(&answer.status) || Instant::now() > deadline {
+            return (answer, retries);
+        }
+        let after = answer.headers.get("retry-after");
+        let after = after
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .unwrap_or(1);
+        tokio::time::sleep(Duration::from_secs(after)).await;
+        retries += 1;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_blocking_its_runtimes_runs_each_key_once_on_postgres() {
+    let schema = TestSchema::new().await;
+    a_fleet_blocking_its_runtimes("Postgres", stores(&schema, None)).await;
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_blocking_its_runtimes_runs_each_key_once_behind_redis() {
+    let schema = TestSchema::new().await;
+    let redis = support::RedisServer::start().await;
+    let url = redis.url();
+    let store = stores(&schema, Some(&url));
+    a_fleet_blocking_its_runtimes("Redis in front of Postgres", store).await;
+    schema.drop().await;
 }

@@ -52,6 +52,11 @@ struct Held {
     /// When the store last confirmed the lease: when the claim that granted it, or the last
     /// renewal that kept it, was sent. The lease runs for its length from no earlier than that.
     confirmed: std::time::Instant,
+    /// When the lease was handed to the renewals: from a confirmation sent after that, they
+    /// keep it whatever the application's runtime does.
+    registered: std::time::Instant,
+    /// Whether the grant was seen in time (within a third of the lease of its claim).
+    seen_in_time: bool,
     /// Whether work started under the lease: before it does, a lease found lost only means
     /// the grant came too late to act on.
     started: bool,
@@ -69,7 +74,8 @@ struct Held {
 /// Whether work may start under a granted lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Standing {
-    /// The store confirmed the lease less than a third of it ago, and renewals keep it.
+    /// The renewals hold the lease: the grant was seen in time, or a renewal sent after the
+    /// lease was handed to them kept it.
     Live,
     /// The grant lapsed before this process could act on it, and another owner took the key
     /// (or finished it): nothing may run under it.
@@ -92,14 +98,17 @@ impl Keeper {
     /// answer came) is renewed at once, from the renewal thread.
     pub(crate) fn start(engine: Arc<Engine>, lease: Lease, sent: std::time::Instant) -> Self {
         let length = engine.settings.lease;
+        let registered = std::time::Instant::now();
+        let overdue = registered.duration_since(sent) >= period(length);
         let due = Instant::from_std(sent) + period(length);
-        let overdue = due <= Instant::now();
         let generation = GENERATION.fetch_add(1, Relaxed);
         let held = Held {
             lease: lease.clone(),
             length,
             due: (!overdue).then_some(due),
             confirmed: sent,
+            registered,
+            seen_in_time: !overdue,
             started: false,
             lost: false,
             finalizing: false,
@@ -132,12 +141,13 @@ impl Keeper {
         Self { engine, slot }
     }
 
-    /// Whether work may start under the lease: only once the store has confirmed it less than
-    /// a third of a lease ago, so that renewals (from then on independent of the application's
-    /// runtime) keep it. A grant is acted on only if it still stands: one this process saw
-    /// after a stall waits for the renewal `start` sent at once, and is given up if another
-    /// owner took the key meanwhile. Costs nothing when the grant was seen in time (nearly
-    /// always).
+    /// Whether work may start under the lease: only once the renewals hold it, which they do
+    /// whatever the application's runtime does from then on. A grant seen in time (within a
+    /// third of the lease of its claim, nearly always) is theirs at once, and costs nothing
+    /// more. One this process saw after a stall (its runtime was blocked when the answer came)
+    /// waits for the renewal `start` sent at once, from the renewal thread: the grant is acted
+    /// on only if that renewal finds it still this owner's, and given up if another owner took
+    /// the key meanwhile.
     pub(crate) async fn standing(&self) -> Standing {
         match self.look() {
             Some(standing) => standing,
@@ -152,9 +162,9 @@ impl Keeper {
         if held.lost {
             return Some(Standing::Lost);
         }
-        let fresh = held.confirmed.elapsed() < period(held.length);
-        held.started |= fresh;
-        fresh.then_some(Standing::Live)
+        let held_by_renewals = held.seen_in_time || held.confirmed >= held.registered;
+        held.started |= held_by_renewals;
+        held_by_renewals.then_some(Standing::Live)
     }
 
     /// Waits for a renewal to confirm the lease (or find it lost), up to a lease.
