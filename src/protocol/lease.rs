@@ -55,8 +55,6 @@ struct Held {
     /// When the lease was handed to the renewals: from a confirmation sent after that, they
     /// keep it whatever the application's runtime does.
     registered: std::time::Instant,
-    /// Whether the grant was seen in time (within a third of the lease of its claim).
-    seen_in_time: bool,
     /// Whether work started under the lease: before it does, a lease found lost only means
     /// the grant came too late to act on.
     started: bool,
@@ -88,6 +86,8 @@ pub(crate) enum Standing {
 pub(crate) struct Keeper {
     engine: Arc<Engine>,
     slot: usize,
+    /// Whether the grant was seen in time: the renewals held it from the start.
+    seen_in_time: bool,
 }
 
 static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -108,8 +108,8 @@ impl Keeper {
             due: (!overdue).then_some(due),
             confirmed: sent,
             registered,
-            seen_in_time: !overdue,
-            started: false,
+            // Seen in time, the work starts at once.
+            started: !overdue,
             lost: false,
             finalizing: false,
             reported: false,
@@ -138,7 +138,11 @@ impl Keeper {
             renewer().spawn(renewal);
         }
         crate::telemetry::claims_held(1.0);
-        Self { engine, slot }
+        Self {
+            engine,
+            slot,
+            seen_in_time: !overdue,
+        }
     }
 
     /// Whether work may start under the lease: only once the renewals hold it, which they do
@@ -149,20 +153,24 @@ impl Keeper {
     /// on only if that renewal finds it still this owner's, and given up if another owner took
     /// the key meanwhile.
     pub(crate) async fn standing(&self) -> Standing {
+        if self.seen_in_time {
+            return Standing::Live;
+        }
         match self.look() {
             Some(standing) => standing,
             None => Box::pin(self.wait_for_confirmation()).await,
         }
     }
 
-    /// The lease's standing, if it is settled; marks the work started when it is live.
+    /// The standing of a grant seen late, if it is settled: live once a renewal sent after the
+    /// hand-over kept it; marks the work started then.
     fn look(&self) -> Option<Standing> {
         let mut state = self.engine.state.leases.lock();
         let held = state.held[self.slot].as_mut().expect("held until dropped");
         if held.lost {
             return Some(Standing::Lost);
         }
-        let held_by_renewals = held.seen_in_time || held.confirmed >= held.registered;
+        let held_by_renewals = held.confirmed >= held.registered;
         held.started |= held_by_renewals;
         held_by_renewals.then_some(Standing::Live)
     }
