@@ -57,6 +57,25 @@ impl IdempotencyOutcome {
     #[cfg(feature = "metrics")]
     pub(crate) const COUNT: usize = Self::HandlerFailed as usize + 1;
 
+    /// Every outcome, in declaration order.
+    #[cfg(feature = "metrics")]
+    pub(crate) const ALL: [Self; Self::COUNT] = [
+        Self::Executed,
+        Self::Replayed,
+        Self::InFlight,
+        Self::Mismatch,
+        Self::NotAcceptable,
+        Self::ResponseNotStored,
+        Self::OutcomeUnknown,
+        Self::StoreUnavailable,
+        Self::InvalidKey,
+        Self::NoScope,
+        Self::BodyTooLarge,
+        Self::BodyTimeout,
+        Self::BodyUnreadable,
+        Self::HandlerFailed,
+    ];
+
     /// A stable, lowercase name: `executed`, `replayed`, `in_flight`, …
     pub fn as_str(&self) -> &'static str {
         match self {

@@ -34,14 +34,16 @@
 //! Units of work count apart from requests: they are not in `idempotency_requests_total` nor
 //! `idempotency_handler_seconds`; the other metrics (store calls, leases, waits) are shared.
 //!
-//! Counters and gauges without labels are registered at zero when a layer (or a tiered or
-//! Postgres store) is built, so that dashboards and alerts see them before the first event.
+//! When a layer (or a [`Once`](crate::work::Once), a tiered or a Postgres store) is built, its
+//! counters and gauges are registered at zero, every outcome of `idempotency_requests_total`
+//! and `idempotency_units_total` included, so that dashboards and alerts see them before the
+//! first event (a panel on `outcome_unknown` has a series, not "No data").
 //!
 //! # Histograms
 //!
 //! A latency is worth a histogram, not a summary: quantiles of summaries cannot be added up
 //! across instances, so a fleet's p99 needs buckets. [`HISTOGRAMS`] gives each histogram the
-//! crate records with buckets for what it measures: store calls from 100 µs to 2.5 s (a Redis
+//! crate records with buckets for what it measures: store calls from 100 µs to 10 s (a Redis
 //! call takes a fraction of a millisecond, a Postgres claim a few, a timeout is 250 ms to 5 s),
 //! handlers from 1 ms to 5 minutes. Give them to the exporter:
 //!
@@ -142,9 +144,12 @@ counters! {
     handler_failures,
 }
 
-/// Bucket bounds (seconds) for `idempotency_store_call_seconds`: 100 µs to 2.5 s.
+/// Bucket bounds (seconds) for `idempotency_store_call_seconds`: 100 µs to 10 s, past the
+/// stores' default timeouts (250 ms for Redis, 5 s for Postgres), so that calls that run into
+/// the timeout show as such instead of pinning every quantile at the top bucket.
 pub const STORE_CALL_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
 ];
 
 /// Bucket bounds (seconds) for `idempotency_handler_seconds`: 1 ms to 5 minutes.
@@ -273,6 +278,12 @@ pub(crate) fn register_layer_metrics(store: &'static str) {
             metrics::counter!(name).increment(0);
         }
         metrics::gauge!("idempotency_claims_held").increment(0.0);
+        // Every outcome's series, so that a panel or an alert on a rare one (outcome_unknown)
+        // has a series from the start, not "No data" until it first happens.
+        for outcome in IdempotencyOutcome::ALL {
+            metrics::counter!("idempotency_requests_total", "outcome" => outcome.as_str(), "store" => store)
+                .increment(0);
+        }
         for operation in STORE_OPERATIONS {
             metrics::counter!("idempotency_store_errors_total", "operation" => operation.as_str(), "store" => store)
                 .increment(0);
@@ -695,6 +706,22 @@ impl fmt::Debug for Pseudonym<'_> {
 
 #[cfg(test)]
 mod tests {
+    /// A store call that runs into its store's default timeout lands in a bucket below the
+    /// top one: quantiles during an outage read the timeout, not the top bound.
+    #[cfg(all(feature = "postgres", feature = "redis"))]
+    #[test]
+    fn store_call_buckets_reach_past_the_default_timeouts() {
+        let top = STORE_CALL_BUCKETS[STORE_CALL_BUCKETS.len() - 1];
+        let below_top = STORE_CALL_BUCKETS[STORE_CALL_BUCKETS.len() - 2];
+        for timeout in [
+            crate::store::DEFAULT_POSTGRES_TIMEOUT,
+            crate::store::DEFAULT_REDIS_TIMEOUT,
+        ] {
+            assert!(timeout.as_secs_f64() <= below_top, "{timeout:?}");
+        }
+        assert!(top > below_top);
+    }
+
     use super::*;
 
     /// The keys made beforehand carry the labels the macros gave: each operation's calls and

@@ -569,12 +569,18 @@ fn an_unknown_outcome_and_an_unstored_response_are_outcomes_of_their_own() {
         );
         silent.abort();
 
-        let requests =
-            |outcome| metrics.metric("idempotency_requests_total", &[("outcome", outcome)]);
-        assert_eq!(requests("response_not_stored"), Some(1.0));
-        assert_eq!(requests("outcome_unknown"), Some(1.0));
-        assert_eq!(requests("in_flight"), Some(1.0));
-        assert_eq!(requests("replayed"), None, "a 409 counted as a replay");
+        // The memory store's layer, then the Postgres one's (a `custom` store: it is wrapped).
+        let requests = |outcome, store| {
+            let labels = [("outcome", outcome), ("store", store)];
+            metrics.metric("idempotency_requests_total", &labels)
+        };
+        assert_eq!(requests("response_not_stored", "memory"), Some(1.0));
+        assert_eq!(requests("outcome_unknown", "custom"), Some(1.0));
+        assert_eq!(requests("in_flight", "custom"), Some(1.0));
+        for store in ["memory", "custom"] {
+            let replays = requests("replayed", store);
+            assert_eq!(replays, Some(0.0), "a 409 counted as a replay");
+        }
         schema.drop().await;
     });
     let answers: Vec<String> = capture
@@ -653,5 +659,28 @@ fn units_of_work_count_apart_from_requests() {
         assert_eq!(recorded.metric("idempotency_handler_seconds", &[]), None);
         let seen = once.counters().snapshot();
         assert_eq!((seen.executions, seen.replays, seen.mismatches), (1, 1, 1));
+    });
+}
+
+/// Every outcome's series exists from the moment a layer is built, at zero: a dashboard panel
+/// or an alert on a rare outcome (`outcome_unknown`) has data, not "No data", until it happens.
+#[test]
+fn every_outcome_is_exported_at_zero_before_it_happens() {
+    observed(&Capture::default(), |recorded| async move {
+        let app = app(IdempotencyLayer::new(MemoryStore::new()));
+        call(&app, pay("k-zero", "{}")).await;
+        let requests = |outcome| {
+            let labels = [("outcome", outcome), ("store", "memory")];
+            recorded.metric("idempotency_requests_total", &labels)
+        };
+        assert_eq!(requests("executed"), Some(1.0));
+        for outcome in [
+            "outcome_unknown",
+            "store_unavailable",
+            "in_flight",
+            "mismatch",
+        ] {
+            assert_eq!(requests(outcome), Some(0.0), "{outcome}");
+        }
     });
 }
