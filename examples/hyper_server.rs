@@ -14,7 +14,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode, header};
+use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use hyper::{body::Incoming, server::conn::http1};
 use hyper_util::{rt::TokioIo, service::TowerToHyperService};
@@ -23,10 +23,21 @@ use tower_idempotency::{IdempotencyClaim, IdempotencyLayer, MemoryStore, Request
 
 static ORDERS: AtomicU64 = AtomicU64::new(0);
 
-/// The application: takes an order, once per key. The layer hands it the buffered body.
+/// The application: `POST /orders` takes an order, once per key (the layer hands it the
+/// buffered body); any other method there is 405, any other path 404. Both release the key,
+/// so a corrected request runs.
 async fn take_order(
     request: Request<RequestBody<Incoming>>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
+    if request.uri().path() != "/orders" {
+        return Ok(status(StatusCode::NOT_FOUND, "no such resource\n"));
+    }
+    if request.method() != Method::POST {
+        let mut refused = status(StatusCode::METHOD_NOT_ALLOWED, "orders are POSTed\n");
+        let allow = header::HeaderValue::from_static("POST");
+        refused.headers_mut().insert(header::ALLOW, allow);
+        return Ok(refused);
+    }
     let key = request
         .extensions()
         .get::<IdempotencyClaim>()

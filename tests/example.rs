@@ -165,6 +165,20 @@ async fn hyper_example_runs_an_order_once() {
     assert_eq!(second.body, "order 2: a tea (key order-2)\n");
     let unkeyed = send(Method::POST, &url, &[], "x").await.unwrap();
     assert_eq!(unkeyed.status, StatusCode::BAD_REQUEST);
+
+    // Only `POST /orders` takes an order: `curl localhost:3000/metrics` took one.
+    let elsewhere = send(Method::GET, &app.url("/metrics"), &[], "")
+        .await
+        .unwrap();
+    assert_eq!(elsewhere.status, StatusCode::NOT_FOUND);
+    let listed = send(Method::GET, &url, &[], "").await.unwrap();
+    assert_eq!(listed.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(listed.headers["allow"], "POST");
+    let third = order("order-3", "a cake").await;
+    assert_eq!(
+        third.body, "order 3: a cake (key order-3)\n",
+        "no order taken meanwhile"
+    );
 }
 
 #[tokio::test]
