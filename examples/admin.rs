@@ -10,7 +10,8 @@
 //! ```
 //!
 //! `doctor` prints a line per check (`Store::diagnose`) and exits 1 when a guarantee is at risk,
-//! so a deployment can run it before it sends traffic.
+//! so a deployment can run it before it sends traffic. `inspect` prints every tier it could
+//! read and exits 1 when one could not be read: a partial answer is not taken for a whole one.
 //!
 //! It reads `DATABASE_URL` and `REDIS_URL` (or `REDIS_CLUSTER_NODES`) as `payments.rs` does (and `REDIS_PREFIX`, if the
 //! records live under another prefix than `idempotency:`). `--scope` is the key's scope:
@@ -186,14 +187,23 @@ async fn main() -> ExitCode {
                     "{:<9} {:<9} {:>20} {:<36} {:>10} {:>10} {:>10} {:>6}",
                     "tier", "state", "fence", "owner", "lease left", "age", "expires in", "status"
                 );
-                for (tier, info) in stores.inspect(&record).await {
+                let tiers = stores.inspect(&record).await;
+                let (all, mut failed) = (tiers.len(), 0);
+                for (tier, info) in tiers {
                     match info {
                         Ok(Some(info)) => println!("{}", row(tier, &info)),
                         Ok(None) => println!("{tier:<9} (nothing)"),
-                        Err(error) => println!("{tier:<9} error: {}", chain(&error)),
+                        Err(error) => {
+                            failed += 1;
+                            println!("{tier:<9} error: {}", chain(&error));
+                        }
                     }
                 }
-                Ok(())
+                // A partial answer is no answer for a script that checks a key.
+                match failed {
+                    0 => Ok(()),
+                    _ => Err(format!("{failed} of {all} tiers could not be read")),
+                }
             }
             .await
         }

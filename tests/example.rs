@@ -415,3 +415,28 @@ async fn payments_example_charges_a_faulty_provider_once_per_payment() {
     assert_eq!(distinct.len(), keys.len(), "one charge per payment");
     println!("provider calls {calls:?}, charges {charges:?}");
 }
+
+/// `admin inspect` exits non-zero when a tier could not be read (Redis down here): a script
+/// that checks a key must not take a partial answer for a whole one. It printed the error and
+/// exited 0.
+#[tokio::test]
+async fn admin_inspect_fails_when_a_tier_cannot_be_read() {
+    let schema = TestSchema::new().await;
+    let stores = [
+        ("DATABASE_URL", url_in_schema(&database_url(), &schema.name)),
+        ("REDIS_URL", "redis://127.0.0.1:1".to_owned()),
+    ];
+    let output = support::example_command("admin", &stores)
+        .args(["inspect", "order-unread"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(stdout.contains("redis     error"), "{stdout}{stderr}");
+    assert!(stdout.contains("postgres  (nothing)"), "{stdout}{stderr}");
+    assert!(!output.status.success(), "{stdout}{stderr}");
+    assert!(stderr.contains("1 of 2 tiers"), "{stderr}");
+    schema.drop().await;
+}
