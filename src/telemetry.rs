@@ -657,10 +657,18 @@ pub(crate) fn breaker(open: bool) {
     {
         let to = if open { "open" } else { "closed" };
         metrics::counter!("idempotency_front_breaker_transitions_total", "to" => to).increment(1);
-        metrics::gauge!("idempotency_front_breaker_open").set(if open { 1.0 } else { 0.0 });
     }
     #[cfg(not(feature = "metrics"))]
     let _ = open;
+}
+
+/// Whether the tiered store skips its front right now (`idempotency_front_breaker_open`): from
+/// a failure until its cooldown ends, and again while a probe's cooldown runs.
+pub(crate) fn front_skipped(skipped: bool) {
+    #[cfg(feature = "metrics")]
+    metrics::gauge!("idempotency_front_breaker_open").set(if skipped { 1.0 } else { 0.0 });
+    #[cfg(not(feature = "metrics"))]
+    let _ = skipped;
 }
 
 /// A key or scope as logs show it: a pseudonym (`#` and 12 hex digits of its SHA-256), the same

@@ -684,3 +684,31 @@ fn every_outcome_is_exported_at_zero_before_it_happens() {
         }
     });
 }
+
+/// `idempotency_front_breaker_open` says whether the front is skipped right now: on an idle
+/// instance whose Redis is back it returns to 0 once the cooldown is over, with no request to
+/// probe Redis. It stayed 1, and `IdempotencyFrontBreakerOpen` kept firing.
+#[test]
+fn the_breaker_gauge_falls_back_when_the_cooldown_ends_on_an_idle_instance() {
+    observed(&Capture::default(), |metrics| async move {
+        let mut redis = RedisServer::start().await;
+        let front = RedisStore::open(&redis.url())
+            .unwrap()
+            .with_timeout(Duration::from_millis(100));
+        let cooldown = Duration::from_millis(300);
+        let store = TieredStore::new(front, MemoryStore::new()).with_breaker_cooldown(cooldown);
+        let store = Arc::new(store);
+        let app = app(IdempotencyLayer::from_shared_store(store.clone()));
+        redis.stop();
+        let paid = call(&app, pay("k-breaker", "{}")).await;
+        assert_eq!(paid.status, StatusCode::CREATED);
+        assert!(store.front_skipped(), "skipped after the failure");
+        redis.restart().await;
+        // Idle: no request comes to probe the front. (The recorder's snapshots drain gauges,
+        // so the gauge is read once, at the end: what was last set.)
+        tokio::time::sleep(cooldown * 2).await;
+        let gauge = metrics.metric("idempotency_front_breaker_open", &[]);
+        assert_eq!(gauge, Some(0.0), "the cooldown is over: nothing is skipped");
+        assert!(!store.front_skipped());
+    });
+}

@@ -3,7 +3,7 @@
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -340,8 +340,15 @@ impl<F: Store, A: Store> TieredStore<F, A> {
 struct Breaker {
     epoch: Instant,
     cooldown: Duration,
+    state: Arc<BreakerState>,
+}
+
+#[derive(Debug, Default)]
+struct BreakerState {
     /// Milliseconds since `epoch` until which the front is skipped; 0 when closed.
     open_until: AtomicU64,
+    /// What `idempotency_front_breaker_open` says: whether the front is skipped right now.
+    skipping: AtomicBool,
 }
 
 impl Breaker {
@@ -349,7 +356,7 @@ impl Breaker {
         Self {
             epoch: Instant::now(),
             cooldown,
-            open_until: AtomicU64::new(0),
+            state: Arc::default(),
         }
     }
 
@@ -359,41 +366,66 @@ impl Breaker {
     }
 
     fn is_open(&self) -> bool {
-        self.open_until.load(Ordering::Relaxed) > self.now()
+        self.state.open_until.load(Ordering::Relaxed) > self.now()
     }
 
     /// Whether to call the front now. Once the cooldown is over, one caller gets to probe it while
     /// the others keep skipping it for another cooldown.
     fn allows(&self) -> bool {
-        let until = self.open_until.load(Ordering::Relaxed);
+        let open_until = &self.state.open_until;
+        let until = open_until.load(Ordering::Relaxed);
         if until == 0 {
             return true;
         }
         let now = self.now();
-        now >= until
-            && self
-                .open_until
-                .compare_exchange(
-                    until,
-                    now + self.cooldown.as_millis() as u64,
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
+        let probe_until = now + self.cooldown.as_millis() as u64;
+        let probes = now >= until
+            && open_until
+                .compare_exchange(until, probe_until, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok();
+        if probes {
+            self.skipping_until(probe_until);
+        }
+        probes
     }
 
     fn succeeded(&self) {
-        if self.open_until.load(Ordering::Relaxed) != 0 {
-            self.open_until.store(0, Ordering::Relaxed);
+        if self.state.open_until.swap(0, Ordering::Relaxed) != 0 {
             crate::telemetry::breaker(false);
             tracing::info!("front store answers again");
+        }
+        if self.state.skipping.swap(false, Ordering::Relaxed) {
+            crate::telemetry::front_skipped(false);
         }
     }
 
     /// Opens the breaker; `true` if it was closed (worth a log line).
     fn failed(&self) -> bool {
         let until = self.now() + self.cooldown.as_millis() as u64;
-        self.open_until.swap(until, Ordering::Relaxed) == 0
+        let was_closed = self.state.open_until.swap(until, Ordering::Relaxed) == 0;
+        self.skipping_until(until);
+        was_closed
+    }
+
+    /// Says the front is skipped until `until`, and no longer once that passes, unless the
+    /// breaker skipped it again meanwhile: an idle instance whose front is back does not
+    /// report it skipped for ever (no call comes to close the breaker).
+    fn skipping_until(&self, until: u64) {
+        if !self.state.skipping.swap(true, Ordering::Relaxed) {
+            crate::telemetry::front_skipped(true);
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (state, cooldown) = (Arc::clone(&self.state), self.cooldown);
+        runtime.spawn(async move {
+            tokio::time::sleep(cooldown).await;
+            if state.open_until.load(Ordering::Relaxed) == until
+                && state.skipping.swap(false, Ordering::Relaxed)
+            {
+                crate::telemetry::front_skipped(false);
+            }
+        });
     }
 }
 
@@ -402,10 +434,7 @@ mod tests {
     use super::*;
     use crate::store::{MemoryStore, StoreError};
     use http::{HeaderMap, StatusCode};
-    use std::sync::{
-        Arc,
-        atomic::{AtomicBool, AtomicUsize},
-    };
+    use std::sync::atomic::AtomicUsize;
 
     mod memory_behind_memory {
         crate::store_conformance_tests!(async {
