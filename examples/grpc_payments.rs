@@ -2,6 +2,9 @@
 //!
 //! ```sh
 //! cargo run --example grpc_payments          # serves 127.0.0.1:50051 (PORT overrides)
+//! grpcurl -plaintext -proto proto/payments.proto -H 'idempotency-key: order-1' \
+//!   -d '{"amount_cents": 4900, "currency": "usd", "customer": "cus_1"}' \
+//!   127.0.0.1:50051 payments.v1.Payments/CreatePayment
 //! ```
 //!
 //! Clients send the key as `idempotency-key` metadata. A retry gets the same `Payment` back with

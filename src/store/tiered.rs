@@ -18,9 +18,10 @@ use crate::StoredResponse;
 /// the source of truth (`authority`, typically [`PostgresStore`](crate::store::PostgresStore)),
 /// with one owner token across both.
 ///
-/// - **Claim**: the front answers replays (one round trip) and mismatches at once; when it
-///   acquires, or says the key is in flight, the authority is asked, and its answer stands (so a
-///   claim that reached a frozen Redis late never hides a key the authority completed). A key
+/// - **Claim**: the front answers replays at once (one round trip); when it acquires, says the
+///   key is in flight or finds another request's record (a mismatch), the authority is asked,
+///   and its answer stands (so a claim that reached a frozen Redis late never hides a key the
+///   authority completed, and a stale record never turns a request away). A key
 ///   the authority has completed but the front had lost is written back to the front and
 ///   replayed. Whatever the authority refuses, or fails on, releases the front's claim.
 /// - **Finalize**: the authority first, then the front. The fence handed to the handler is the
