@@ -90,6 +90,24 @@ async fn an_evicting_redis_without_persistence_puts_the_guarantee_at_risk() {
     }
 }
 
+/// A Redis whose `CONFIG` command is renamed away (as managed Redis services do) with its
+/// snapshots on: the doctor cannot tell whether snapshots are on, and says so as a warning. It
+/// reported "snapshots off" as a risk, and the doctor exited 1.
+#[tokio::test]
+async fn a_redis_without_config_is_a_warning_not_a_guessed_risk() {
+    let redis =
+        RedisServer::start_with(&["--save", "3600 1", "--rename-command", "CONFIG", ""]).await;
+    let diagnosis = RedisStore::open(&redis.url()).unwrap().diagnose().await;
+    assert_eq!(
+        severity(&diagnosis, "persistence"),
+        Severity::Warning,
+        "{diagnosis}"
+    );
+    let finding = diagnosis.of("persistence").next().unwrap();
+    assert!(finding.message.contains("unknown"), "{diagnosis}");
+    assert!(!finding.message.contains("snapshots off"), "{diagnosis}");
+}
+
 #[tokio::test]
 async fn snapshots_alone_are_a_warning_and_an_unreachable_redis_a_risk() {
     let redis = RedisServer::start_with(&["--save", "3600 1"]).await;

@@ -213,7 +213,12 @@ fn durability(
         .as_ref()
         .and_then(|info| info.get("aof_enabled"))
         .is_some_and(|on| on == "1");
-    let snapshots = matches!(save.as_deref(), Ok([_, rules]) if !rules.is_empty());
+    // `None`: `CONFIG` is refused or renamed away (as on managed Redis); INFO does not say
+    // whether snapshots are configured, so the doctor says it could not tell.
+    let snapshots = match save.as_deref() {
+        Ok([_, rules]) => Some(!rules.is_empty()),
+        _ => None,
+    };
     let replicas: u32 = replication
         .as_ref()
         .and_then(|info| info.get("connected_slaves"))
@@ -222,17 +227,28 @@ fn durability(
     let found = format!(
         "append-only file {}, snapshots {}, replicas {replicas}",
         if aof { "on" } else { "off" },
-        if snapshots { "on" } else { "off" }
+        match snapshots {
+            Some(true) => "on",
+            Some(false) => "off",
+            None => "unknown (CONFIG GET refused)",
+        }
     );
-    if aof || replicas > 0 {
-        (Severity::Ok, found)
-    } else if snapshots {
-        let why = "a restart loses the records written since the last snapshot: turn on \
-                   appendonly, or add a replica";
-        (Severity::Warning, format!("{found}: {why}"))
-    } else {
-        let why = "a restart loses every record, and retries of completed keys run again: turn \
-                   on appendonly, or add a replica";
-        (Severity::Risk, format!("{found}: {why}"))
+    match (aof || replicas > 0, snapshots) {
+        (true, _) => (Severity::Ok, found),
+        (false, Some(true)) => {
+            let why = "a restart loses the records written since the last snapshot: turn on \
+                       appendonly, or add a replica";
+            (Severity::Warning, format!("{found}: {why}"))
+        }
+        (false, Some(false)) => {
+            let why = "a restart loses every record, and retries of completed keys run again: \
+                       turn on appendonly, or add a replica";
+            (Severity::Risk, format!("{found}: {why}"))
+        }
+        (false, None) => {
+            let why = "without snapshots a restart loses every record: check the server's \
+                       persistence where it is managed, or turn on appendonly";
+            (Severity::Warning, format!("{found}: {why}"))
+        }
     }
 }
