@@ -53,6 +53,7 @@ async fn a_healthy_setup_reports_every_check_and_nothing_to_fix() {
         "maxmemory-policy",
         "persistence",
         "migrations",
+        "synchronous_commit",
         "idle_in_transaction",
         "statement_timeout",
         "sweeper",
@@ -178,6 +179,27 @@ async fn postgres_flags_missing_migrations_missing_timeouts_and_a_sweeper_that_n
     assert_eq!(severity(&diagnosis, "idle_in_transaction"), Severity::Ok);
     store.sweep().await.unwrap();
     assert_eq!(severity(&store.diagnose().await, "sweeper"), Severity::Ok);
+    schema.drop().await;
+}
+
+/// `synchronous_commit = off` (for the application's role, or the whole server) lets Postgres
+/// acknowledge a claim it can lose in a crash: a risk. The README asked for it on; the doctor
+/// did not check it.
+#[tokio::test]
+async fn an_authority_that_acknowledges_commits_it_can_lose_is_a_risk() {
+    let schema = TestSchema::new().await;
+    let mut settings = vec![("search_path", schema.name.as_str())];
+    settings.extend(HEALTHY_SESSION);
+    settings.push(("synchronous_commit", "off"));
+    let options = schema_options(&database_url(), &schema.name).options(settings);
+    let pool = sqlx::PgPool::connect_with(options).await.unwrap();
+    let diagnosis = PostgresStore::new(pool).diagnose().await;
+    assert_eq!(
+        severity(&diagnosis, "synchronous_commit"),
+        Severity::Risk,
+        "{diagnosis}"
+    );
+    assert_eq!(diagnosis.worst(), Severity::Risk);
     schema.drop().await;
 }
 

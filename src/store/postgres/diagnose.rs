@@ -1,5 +1,5 @@
 //! [`Store::diagnose`](crate::store::Store::diagnose) for Postgres: the server version, the
-//! crate's migrations, the session timeouts of the application's pool (on which the handlers'
+//! crate's migrations, whether acknowledged commits survive a crash, the session timeouts of the application's pool (on which the handlers'
 //! fence transactions run), whether the sweeper keeps up, and the table's size.
 
 use std::time::Duration;
@@ -30,6 +30,8 @@ impl PostgresStore {
         let table = migrated.as_ref().is_ok_and(|(table, _)| *table);
         let (severity, message) = migrated.map_or_else(could_not, |(_, found)| found);
         diagnosis.push(severity, STORE, "migrations", message);
+        let (severity, message) = self.commit_durability().await.unwrap_or_else(could_not);
+        diagnosis.push(severity, STORE, "synchronous_commit", message);
         for (check, setting, severity_if_off, why) in TIMEOUTS {
             let (severity, message) = self
                 .timeout_setting(setting, severity_if_off, why)
@@ -115,6 +117,19 @@ impl PostgresStore {
         ))
     }
 
+    /// Whether a commit the server acknowledged survives its crash (and, with synchronous
+    /// standbys, a failover): a claim lost that way can be granted again.
+    async fn commit_durability(&self) -> Result<(Severity, String), StoreError> {
+        let query = sqlx::query(
+            "SELECT current_setting('synchronous_commit'), \
+             current_setting('synchronous_standby_names')",
+        );
+        let row = self.bounded(query.fetch_one(&self.pool)).await?;
+        let commit: String = row.try_get(0).map_err(super::backend)?;
+        let standbys: String = row.try_get(1).map_err(super::backend)?;
+        Ok(synchronous_commit(&commit, &standbys))
+    }
+
     /// A session timeout of the application's pool, where zero means none.
     async fn timeout_setting(
         &self,
@@ -194,6 +209,38 @@ const TIMEOUTS: [(&str, &str, Severity, &str); 2] = [
 ];
 
 /// A check that could not run.
+/// What `synchronous_commit` (and the synchronous standbys named) mean for acknowledged
+/// claims.
+fn synchronous_commit(commit: &str, standbys: &str) -> (Severity, String) {
+    let standbys = standbys.trim();
+    match commit {
+        "off" => (
+            Severity::Risk,
+            "synchronous_commit is off: the server acknowledges commits before they are on disk, \
+             and a crash loses claims it granted: a key may run twice; set it on"
+                .into(),
+        ),
+        "local" if !standbys.is_empty() => (
+            Severity::Warning,
+            format!(
+                "synchronous_commit is local with synchronous standbys ({standbys}): commits do \
+                 not wait for them, and a failover can lose claims it acknowledged; set it on"
+            ),
+        ),
+        _ if standbys.is_empty() => (
+            Severity::Ok,
+            format!(
+                "synchronous_commit {commit}; no synchronous standby (a failover to an \
+                 asynchronous one can lose acknowledged claims)"
+            ),
+        ),
+        _ => (
+            Severity::Ok,
+            format!("synchronous_commit {commit}; synchronous standbys {standbys}"),
+        ),
+    }
+}
+
 fn could_not(error: StoreError) -> (Severity, String) {
     let cause = std::error::Error::source(&error).map_or(String::new(), |s| format!(": {s}"));
     (
