@@ -128,6 +128,39 @@ async fn snapshots_alone_are_a_warning_and_an_unreachable_redis_a_risk() {
     );
 }
 
+/// Why a Redis cannot be reached is said as it is: refused, wanting a password, or silent (it
+/// was "did not answer within 250ms" for all three).
+#[tokio::test]
+async fn an_unreachable_redis_says_whether_it_refused_wants_a_password_or_is_silent() {
+    let reachable =
+        |diagnosis: &Diagnosis| diagnosis.of("reachable").next().unwrap().message.clone();
+    let nobody = format!("redis://127.0.0.1:{}", free_port());
+    let refused = RedisStore::open(&nobody).unwrap().diagnose().await;
+    assert!(
+        reachable(&refused).contains("connection refused"),
+        "{refused}"
+    );
+
+    let locked = RedisServer::start_with(&["--requirepass", "s3cret"]).await;
+    let without = RedisStore::open(&locked.url()).unwrap().diagnose().await;
+    assert!(
+        reachable(&without).contains("authentication refused"),
+        "{without}"
+    );
+    let wrong = locked.url().replace("redis://", "redis://:wrong@");
+    let wrong = RedisStore::open(&wrong).unwrap().diagnose().await;
+    assert!(
+        reachable(&wrong).contains("authentication refused"),
+        "{wrong}"
+    );
+
+    let mut frozen = RedisServer::start().await;
+    frozen.pause();
+    let silent = RedisStore::open(&frozen.url()).unwrap().diagnose().await;
+    frozen.resume();
+    assert!(reachable(&silent).contains("no answer in time"), "{silent}");
+}
+
 #[tokio::test]
 async fn postgres_flags_missing_migrations_missing_timeouts_and_a_sweeper_that_never_runs() {
     // A schema the migrations never ran in, and a pool without session timeouts.

@@ -13,7 +13,8 @@ impl RedisStore {
         let masters = match self.call(async |c| c.masters().await).await {
             Ok(masters) => masters,
             Err(error) => {
-                diagnosis.push(Severity::Risk, STORE, "reachable", unreachable(&error));
+                let message = self.unreachable(&error).await;
+                diagnosis.push(Severity::Risk, STORE, "reachable", message);
                 return diagnosis;
             }
         };
@@ -58,7 +59,7 @@ impl RedisStore {
                 diagnosis.push(severity, STORE, "version", format!("{on}{message}"));
             }
             Err(error) => {
-                let message = format!("{on}{}", unreachable(&error));
+                let message = format!("{on}{}", self.unreachable(&error).await);
                 diagnosis.push(Severity::Risk, STORE, "reachable", message);
                 return;
             }
@@ -119,7 +120,7 @@ impl RedisStore {
                     (Severity::Risk, format!("{message}: {fix}"))
                 }
             }
-            Err(error) => (Severity::Risk, unreachable(&error)),
+            Err(error) => (Severity::Risk, self.unreachable(&error).await),
         };
         diagnosis.push(severity, STORE, "cluster", message);
     }
@@ -137,13 +138,67 @@ impl Info {
     }
 }
 
-fn unreachable(error: &StoreError) -> String {
-    let error: &dyn std::error::Error = error;
-    let mut message = error.to_string();
-    if let Some(source) = error.source() {
-        message = format!("{message}: {source}");
+impl RedisStore {
+    /// Why the store could not be reached: a call bounded by the store's timeout says only
+    /// that it timed out (the connection is made again and again until then), so one server is
+    /// asked again on a connection of this check's own, which tells a refused connection, a
+    /// server that wants a password (or refused the one given) and one that does not answer.
+    async fn unreachable(&self, error: &StoreError) -> String {
+        let cause = match &self.backend {
+            super::Backend::Server { client, .. } => why_unreachable(client).await,
+            super::Backend::Cluster(_) => None,
+        };
+        let cause = cause.unwrap_or_else(|| {
+            let error: &dyn std::error::Error = error;
+            match error.source() {
+                Some(source) => format!("{error}: {source}"),
+                None => error.to_string(),
+            }
+        });
+        format!("could not be reached ({cause}): claims fail while it is so")
     }
-    format!("could not be reached ({message}): claims fail while it is so")
+}
+
+/// How long the doctor waits for a server that does not answer at all.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// What connecting to the server afresh, and a `PING`, say: `None` if it answers.
+async fn why_unreachable(client: &::redis::Client) -> Option<String> {
+    let probe = async {
+        let mut connection = client.get_multiplexed_async_connection().await?;
+        ::redis::cmd("PING")
+            .query_async::<Value>(&mut connection)
+            .await
+    };
+    match tokio::time::timeout(PROBE_TIMEOUT, probe).await {
+        Ok(Ok(_)) => None,
+        Ok(Err(error)) => Some(refusal(&error)),
+        Err(_) => Some(format!(
+            "no answer in time ({PROBE_TIMEOUT:?}): a frozen server, a firewall, or the wrong \
+             address"
+        )),
+    }
+}
+
+/// A connection's refusal, as an operator reads it: what to fix.
+fn refusal(error: &::redis::RedisError) -> String {
+    if error.is_timeout() {
+        return "no answer in time: a frozen server, a firewall, or the wrong address".into();
+    }
+    if error.is_connection_refusal() {
+        return format!(
+            "connection refused ({error}): is the server running, at this host and port?"
+        );
+    }
+    let auth = matches!(error.code(), Some("NOAUTH" | "WRONGPASS"))
+        || error.kind() == ::redis::ErrorKind::AuthenticationFailed;
+    if auth {
+        return format!(
+            "authentication refused ({error}): give the server's user and password in the URL \
+             (redis://user:password@host:port)"
+        );
+    }
+    error.to_string()
 }
 
 /// `major.minor.patch` of a version string.
