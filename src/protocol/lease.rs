@@ -49,12 +49,10 @@ struct Held {
     length: Duration,
     /// When the next renewal is due; `None` while one is under way.
     due: Option<Instant>,
-    /// When the store last confirmed the lease: when the claim that granted it, or the last
-    /// renewal that kept it, was sent. The lease runs for its length from no earlier than that.
-    confirmed: std::time::Instant,
-    /// When the lease was handed to the renewals: from a confirmation sent after that, they
-    /// keep it whatever the application's runtime does.
-    registered: std::time::Instant,
+    /// Whether a renewal kept the lease since it was handed to the renewals (every renewal of
+    /// this slot and generation was sent after that): from then on they keep it, whatever the
+    /// application's runtime does.
+    renewed: bool,
     /// Whether work started under the lease: before it does, a lease found lost only means
     /// the grant came too late to act on.
     started: bool,
@@ -86,6 +84,8 @@ pub(crate) enum Standing {
 pub(crate) struct Keeper {
     engine: Arc<Engine>,
     slot: usize,
+    /// Tells this request's lease from the slot's later holders.
+    generation: u64,
     /// Whether the grant was seen in time: the renewals held it from the start.
     seen_in_time: bool,
 }
@@ -98,16 +98,14 @@ impl Keeper {
     /// answer came) is renewed at once, from the renewal thread.
     pub(crate) fn start(engine: Arc<Engine>, lease: Lease, sent: std::time::Instant) -> Self {
         let length = engine.settings.lease;
-        let registered = std::time::Instant::now();
-        let overdue = registered.duration_since(sent) >= period(length);
+        let overdue = sent.elapsed() >= period(length);
         let due = Instant::from_std(sent) + period(length);
         let generation = GENERATION.fetch_add(1, Relaxed);
         let held = Held {
             lease: lease.clone(),
             length,
             due: (!overdue).then_some(due),
-            confirmed: sent,
-            registered,
+            renewed: false,
             // Seen in time, the work starts at once.
             started: !overdue,
             lost: false,
@@ -141,6 +139,7 @@ impl Keeper {
         Self {
             engine,
             slot,
+            generation,
             seen_in_time: !overdue,
         }
     }
@@ -170,9 +169,8 @@ impl Keeper {
         if held.lost {
             return Some(Standing::Lost);
         }
-        let held_by_renewals = held.confirmed >= held.registered;
-        held.started |= held_by_renewals;
-        held_by_renewals.then_some(Standing::Live)
+        held.started |= held.renewed;
+        held.renewed.then_some(Standing::Live)
     }
 
     /// Waits for a renewal to confirm the lease (or find it lost), up to a lease.
@@ -199,20 +197,11 @@ impl Keeper {
         }
     }
 
-    /// Reports the lease lost (counted, logged), unless it was already: a finalize that found
-    /// another owner after a renewal had, or the other way round, is one loss.
-    fn report_lost(&self, what: &str) {
-        let mut state = self.engine.state.leases.lock();
-        let Some(held) = state.held[self.slot].as_mut() else {
-            return;
-        };
-        held.lost = true;
-        if std::mem::replace(&mut held.reported, true) {
-            return;
-        }
-        let lease = held.lease.clone();
-        drop(state);
-        report_lost(&self.engine, &lease, what);
+    /// The finalize found another owner: the lease is lost, reported unless a renewal already
+    /// did (one loss, whichever found it first).
+    fn finalize_lost(&self) {
+        let what = "before finalizing: nothing stored (another attempt holds the key)";
+        mark_lost(&self.engine, self.slot, self.generation, Some(what));
     }
 
     /// Whether a renewal found the key in another owner's hands.
@@ -323,7 +312,7 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
         let started = std::time::Instant::now();
         let renewed = engine.renewal_store().renew(&lease, length);
         match engine.telemetry.timed(Operation::Renew, renewed).await {
-            Ok(Ownership::Held) => confirm(&engine, slot, generation, started),
+            Ok(Ownership::Held) => confirm(&engine, slot, generation),
             Ok(Ownership::Busy) => {
                 tokio::time::sleep(BUSY_RETRY.min(period(length))).await;
                 if !still_held(&engine) {
@@ -349,7 +338,7 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
     };
     match next {
         Some(due) => schedule(&engine, slot, generation, due),
-        None => lost(&engine, slot, generation, &lease),
+        None => mark_lost(&engine, slot, generation, None),
     }
 }
 
@@ -364,9 +353,12 @@ fn schedule(engine: &Engine, slot: usize, generation: u64, due: Instant) {
     }
 }
 
-/// Marks the lease lost, and tells work waiting to start under it; reported as lost only if
-/// work had started and its finalize had not (see [`Held::finalizing`]), once.
-fn lost(engine: &Engine, slot: usize, generation: u64, lease: &Lease) {
+/// Marks the lease lost and tells work waiting to start under it; reports the loss (counts
+/// and logs it) once per lease. A finalize's finding (`finalize_says`) is always a loss. A
+/// renewal's is one only while the work runs: before it started the grant only came too late
+/// to act on, and once the finalize started its own answer tells whether another owner took
+/// the key.
+fn mark_lost(engine: &Engine, slot: usize, generation: u64, finalize_says: Option<&str>) {
     let mut state = engine.state.leases.lock();
     let Some(held) = state.held[slot]
         .as_mut()
@@ -376,39 +368,32 @@ fn lost(engine: &Engine, slot: usize, generation: u64, lease: &Lease) {
         return;
     };
     held.lost = true;
-    // Before the work started, the grant only came too late to act on; once the finalize
-    // started, its own answer tells whether another owner took the key.
-    let report = held.started && !held.finalizing && !std::mem::replace(&mut held.reported, true);
+    let loss = finalize_says.is_some() || (held.started && !held.finalizing);
+    let report = loss && !std::mem::replace(&mut held.reported, true);
+    let lease = report.then(|| held.lease.clone());
     drop(state);
     engine.state.leases.renewed.notify_waiters();
-    if report {
-        report_lost(
-            engine,
-            lease,
-            "while the handler runs; its outcome will not be stored",
+    if let Some(lease) = lease {
+        let what =
+            finalize_says.unwrap_or("while the handler runs; its outcome will not be stored");
+        engine.telemetry.lease_lost();
+        tracing::warn!(
+            record = %engine.settings.shown_record(lease.record()),
+            owner = %lease.owner(),
+            fence = lease.fence(),
+            "lease lost {what}"
         );
     }
 }
 
-/// Counts and logs a lost lease.
-fn report_lost(engine: &Engine, lease: &Lease, what: &str) {
-    engine.telemetry.lease_lost();
-    tracing::warn!(
-        record = %engine.settings.shown_record(lease.record()),
-        owner = %lease.owner(),
-        fence = lease.fence(),
-        "lease lost {what}"
-    );
-}
-
-/// Records that the store kept the lease as of `started`, and tells work waiting to start.
-fn confirm(engine: &Engine, slot: usize, generation: u64, started: std::time::Instant) {
+/// Records that a renewal kept the lease, and tells work waiting to start.
+fn confirm(engine: &Engine, slot: usize, generation: u64) {
     let mut state = engine.state.leases.lock();
     if let Some(held) = state.held[slot]
         .as_mut()
         .filter(|h| h.generation == generation)
     {
-        held.confirmed = held.confirmed.max(started);
+        held.renewed = true;
         drop(state);
         engine.state.leases.renewed.notify_waiters();
     }
@@ -531,7 +516,7 @@ async fn finalize_once(
             Ok(Finalized::Done)
         }
         _ => {
-            keeper.report_lost("before finalizing: nothing stored (another attempt holds the key)");
+            keeper.finalize_lost();
             Ok(Finalized::Superseded)
         }
     }
