@@ -59,20 +59,9 @@ async fn a_handler_that_blocks_its_worker_past_the_lease_keeps_its_key() {
     // is starved for 300 ms, which a loaded CI machine did to a 150 ms lease.
     let lease = Duration::from_millis(300);
     let effects = Effects::default();
-    let app = Router::new()
-        .route(
-            "/payments",
-            post(
-                |State(effects): State<Effects>, claim: IdempotencyClaim| async move {
-                    // Synchronous work that holds the worker thread: no await for 800 ms.
-                    std::thread::sleep(Duration::from_millis(800));
-                    let count = effects.add(claim.key().as_str());
-                    (StatusCode::CREATED, format!("effect {count}"))
-                },
-            ),
-        )
-        .layer(IdempotencyLayer::new(PostgresStore::new(schema.pool.clone())).with_lease(lease))
-        .with_state(effects.clone());
+    // Synchronous work that holds the worker thread: no await for 800 ms.
+    let layer = IdempotencyLayer::new(PostgresStore::new(schema.pool.clone())).with_lease(lease);
+    let app = blocking_app(&layer, &effects, Duration::from_millis(800));
 
     let keys = 20;
     let mut second_runs = 0;
@@ -194,6 +183,20 @@ fn counting_app(layer: &IdempotencyLayer, effects: &Effects, work: Duration) -> 
         if !work.is_zero() {
             tokio::time::sleep(work).await;
         }
+        let count = effects.add(claim.key().as_str());
+        (StatusCode::CREATED, format!("effect {count}"))
+    };
+    Router::new()
+        .route("/payments", post(handler))
+        .layer(layer.clone())
+        .with_state(effects.clone())
+}
+
+/// The payments route behind `layer`, whose handler blocks its thread for `block` (synchronous
+/// work: no await), then counts an effect for its key and answers with the count.
+fn blocking_app(layer: &IdempotencyLayer, effects: &Effects, block: Duration) -> Router {
+    let handler = move |State(effects): State<Effects>, claim: IdempotencyClaim| async move {
+        std::thread::sleep(block);
         let count = effects.add(claim.key().as_str());
         (StatusCode::CREATED, format!("effect {count}"))
     };
@@ -350,21 +353,10 @@ async fn blocks_the_only_thread(
 ) {
     let lease = Duration::from_millis(800);
     let effects = Effects::default();
+    // Synchronous work that holds the runtime's only thread for 2 s.
     let app = |effects: Effects| {
-        Router::new()
-            .route(
-                "/payments",
-                post(
-                    |State(effects): State<Effects>, claim: IdempotencyClaim| async move {
-                        // Synchronous work that holds the runtime's only thread for 2 s.
-                        std::thread::sleep(Duration::from_secs(2));
-                        let count = effects.add(claim.key().as_str());
-                        (StatusCode::CREATED, format!("effect {count}"))
-                    },
-                ),
-            )
-            .layer(IdempotencyLayer::from_shared_store(store()).with_lease(lease))
-            .with_state(effects)
+        let layer = IdempotencyLayer::from_shared_store(store()).with_lease(lease);
+        blocking_app(&layer, &effects, Duration::from_secs(2))
     };
     // Instance A: a current-thread runtime of its own, serving over TCP.
     let url = serve_on_a_runtime_of_its_own(app(effects.clone()), Flavor::CurrentThread);
@@ -555,19 +547,7 @@ async fn a_fleet_blocking_its_runtimes(
     let urls: Vec<_> = layers
         .iter()
         .map(|layer| {
-            let app = Router::new()
-                .route(
-                    "/payments",
-                    post(
-                        |State(effects): State<Effects>, claim: IdempotencyClaim| async move {
-                            std::thread::sleep(Duration::from_secs(2));
-                            let count = effects.add(claim.key().as_str());
-                            (StatusCode::CREATED, format!("effect {count}"))
-                        },
-                    ),
-                )
-                .layer(layer.clone())
-                .with_state(effects.clone());
+            let app = blocking_app(layer, &effects, Duration::from_secs(2));
             serve_on_a_runtime_of_its_own(app, Flavor::CurrentThread)
         })
         .collect();
