@@ -27,37 +27,12 @@ impl RedisCluster {
     pub fn start() -> Self {
         let dir = std::env::temp_dir().join(format!("cluster-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
-        let server = redis_server();
-        let mut nodes = Vec::new();
-        let mut ports = Vec::new();
-        for _ in 0..6 {
-            let port = free_cluster_port();
-            let child = Command::new(&server)
-                .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
-                .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
-                .args(["--save", "", "--appendonly", "no", "--dir"])
-                .arg(&dir)
-                .stdout(Stdio::null())
-                .stdin(Stdio::null())
-                .spawn()
-                .unwrap_or_else(|e| panic!("cannot start {}: {e}", server.display()));
-            nodes.push(child);
-            ports.push(port);
-        }
+        let (nodes, ports) = (0..6).map(|_| Self::node(&dir)).unzip();
         let cluster = Self {
             nodes: std::sync::Mutex::new(nodes),
             ports,
             dir,
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while cluster.nodes_alive().len() < cluster.ports.len() {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server nodes did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
         let addresses: Vec<String> = cluster
             .ports
             .iter()
@@ -76,6 +51,37 @@ impl RedisCluster {
         );
         cluster.wait_until_settled();
         cluster
+    }
+
+    /// One node, listening on its port and its bus port. A port found free can be taken before the node binds it (by another
+    /// test's server, or by an outgoing connection: both it and its bus port are in the
+    /// ephemeral range), and then the node exits at once: it is started again on another port.
+    fn node(dir: &std::path::Path) -> (Child, u16) {
+        let server = redis_server();
+        for _ in 0..20 {
+            let port = free_cluster_port();
+            let mut child = Command::new(&server)
+                .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+                .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
+                .args(["--save", "", "--appendonly", "no", "--dir"])
+                .arg(dir)
+                .stdout(Stdio::null())
+                .stdin(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot start {}: {e}", server.display()));
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+                let listens = |p: u16| std::net::TcpStream::connect(("127.0.0.1", p)).is_ok();
+                if listens(port) && listens(port + 10000) {
+                    return (child, port);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("a redis-server cluster node did not start in 20 tries");
     }
 
     /// One cluster for the whole test binary, for tests that only read and write keys (each
