@@ -45,68 +45,21 @@
 //! or gRPC statuses for gRPC callers: never service errors, so the layer's error type is the
 //! inner service's and axum needs no `HandleErrorLayer`.
 //!
-//! # How it works
+//! # Guides
 //!
-//! 1. The key is parsed (RFC 8941 string or bare token, 1 to 255 visible ASCII characters) and
-//!    scoped: by default to the caller's credentials ([`scope::by_credentials`]).
-//! 2. The body is buffered (up to a size and a time limit) and the request fingerprinted with
-//!    SHA-256 over method, path and query as the client sent them, `Content-Type`, configured
-//!    headers and body.
-//! 3. The key is **claimed** in the [`Store`](store::Store) with a fresh owner token, a fence
-//!    number and a lease. No request reaches the handler without a claim. A request that finds
-//!    its key in flight waits for the first one ([`IdempotencyLayer::with_wait`]).
-//! 4. The handler runs in the response future, moved to a task of its own if the client
-//!    disconnects, so it finishes; a task renews the lease while it runs, and a panic becomes a
-//!    500 that frees the key.
-//! 5. The key is **completed** (response stored) or **released** (deleted) according to the
-//!    [`CompletionPolicy`], but only if this owner still holds it; then the response is sent, so
-//!    a caller holding its answer finds the key final. A response over the cache limit streams
-//!    to its caller as it is produced and is stored without its body.
+//! The [`guide`] module is the manual, one page per topic, with examples compiled as doctests:
+//! [how it works and what is promised](guide::how_it_works), [configuration and the order of
+//! layers](guide::configuration), [the stores](guide::stores), [multi-step handlers and
+//! recovery](guide::recovery), [the client half](guide::client), [units of
+//! work](guide::units_of_work), [gRPC and hyper](guide::grpc), [operating it](guide::operating),
+//! [the failure matrix](guide::failure_matrix), and [sizing and limits](guide::sizing_and_limits).
 //!
-//! The handler finds an [`IdempotencyClaim`] in the request extensions: the key, the scope and
-//! the fence. Work that panics outside the handler (a fingerprint hook, a completion policy, a
-//! store) is answered like every other answer of the layer: a 500 through
-//! [`IdempotencyLayer::with_problem_response`], or `INTERNAL` to a gRPC caller; a key already
-//! claimed frees itself when its lease ends.
-//!
-//! The repository's `ARCHITECTURE.md` names each module and what lives there, in this order.
-//!
-//! # What is promised
-//!
-//! Every retry with the same request converges to the same response: the stored one, or after a
-//! wait, or a 409 that says when to come back. With the Postgres fence
-//! (`IdempotencyClaim::commit` in the handler's own transaction) the business write commits at
-//! most once per key across the fleet, whatever stalls, crashes or store outages do. Without it,
-//! the handler runs once per key while its process is healthy: a process stalled past its lease
-//! loses the key and a retry may run the handler again; forward the key to a downstream that
-//! deduplicates on it, or fence. A handler of several steps records a recovery point in each
-//! step's own transaction ([`IdempotencyClaim::advance`]), and a retry of an interrupted request
-//! resumes from it instead of starting again.
-//!
-//! # Composing with other layers
-//!
-//! Install the layer on the handler (`post(handler).route_layer(layer)`), and everything that
-//! concerns one exchange **outside** it: authentication (the scope needs its result),
-//! compression, CORS, request ids, timeouts, body limits, tracing. Inside, they would make it
-//! store per-caller state or cancel the handler it promised to finish; the README's "Composing
-//! with other layers" has the tested order and what the layer does when one sits inside.
-//!
-//! # The caller's half
-//!
-//! With the `client` feature, [`client::IdempotencyClientLayer`] wraps a tower client (hyper,
-//! tonic): one key per logical call on every attempt, retries of what is safe to retry only,
-//! `Retry-After`, backoff with full jitter, a deadline and a retry budget. Inside a guarded
-//! handler, [`IdempotencyClaim::derived_key`] gives each downstream call a key of its own that
-//! every retry of the request repeats.
-//!
-//! # tonic and hyper
-//!
-//! The same layer guards gRPC: `tonic::transport::Server::builder().layer(IdempotencyLayer::new(store))`.
-//! The key is the `idempotency-key` metadata entry, the completion policy reads `grpc-status`
-//! from the trailers, replays carry the trailers, and rejections are gRPC statuses (see
-//! [`problem`]). Plain hyper servers wrap their service with `tower::ServiceBuilder` and serve it
-//! through `hyper_util::service::TowerToHyperService`; the inner service receives a
-//! [`RequestBody`].
+//! In short: the handler finds an [`IdempotencyClaim`] in the request extensions (the key, the
+//! scope and the fence). With the Postgres fence ([`IdempotencyClaim::commit`] in the handler's
+//! own transaction) the business write commits at most once per key across the fleet, whatever
+//! stalls, crashes or store outages do; without it, the handler runs once per key while its
+//! process is healthy. Install the layer on the handler (`post(handler).route_layer(layer)`),
+//! and authentication, compression, CORS, request ids, timeouts and body limits outside it.
 //!
 //! # Stores
 //!
@@ -116,15 +69,6 @@
 //! | [`store::RedisStore`] (feature `redis`) | a fast shared store, on one server or a Redis Cluster; alone, a best effort (eviction, failover) |
 //! | [`store::PostgresStore`] (feature `postgres`) | the source of truth, with the handler fence ([`IdempotencyClaim::commit`]) |
 //! | [`store::TieredStore`] | a fast front before an authority: Redis before Postgres is the production setup |
-//!
-//! # Limits
-//!
-//! - Guarded request bodies are buffered in memory (1 MiB by default), and so are response
-//!   bodies up to the cache limit (1 MiB by default); larger responses stream through but are
-//!   stored without their body. Request trailers are not forwarded on guarded requests.
-//! - Guarded requests need a Tokio runtime (`tokio::spawn`). Renewals run on a thread of the
-//!   process's own, through connections of their own ([`Store::detached`](store::Store::detached)),
-//!   so a handler that blocks every worker of the application's runtime keeps its key.
 //!
 //! # Features
 //!
@@ -136,18 +80,6 @@
 //! | `conformance` | [`conformance`], the store conformance suite |
 //! | `metrics` | the metrics of [`telemetry`], through the `metrics` facade |
 //! | `client` | [`client`]: the caller's half, one key per logical call and safe retries |
-//!
-//! # Operating it
-//!
-//! Each guarded request runs in an `idempotency` span (key, scope, fence, outcome; keys and
-//! scopes as pseudonyms unless [`IdempotencyLayer::with_clear_keys_in_logs`]), every answer the layer
-//! gives instead of the handler is an event, its response carries an [`IdempotencyOutcome`],
-//! and [`telemetry`] lists the metrics (latencies as histograms with the crate's buckets,
-//! [`telemetry::HISTOGRAMS`]). [`Store::inspect`](store::Store::inspect),
-//! [`forget`](store::Store::forget) and [`stuck`](store::Store::stuck) look at and delete keys;
-//! [`Store::diagnose`](store::Store::diagnose) checks the servers a store runs on for the
-//! settings that break its guarantees. The repository's `contrib/` has a Grafana dashboard and
-//! Prometheus alert rules.
 //!
 //! [tower]: https://github.com/tower-rs/tower
 
@@ -163,6 +95,7 @@
 // In the order a request meets them; each module uses only those declared below it
 // (`.ci/layering` checks it; ARCHITECTURE.md says what lives where). The conformance suite
 // drives stores from outside, as a user's tests do.
+pub mod guide;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 #[cfg(feature = "client")]
@@ -213,12 +146,12 @@ pub use claim::MissingClaim;
 pub use fingerprint::fingerprint_input;
 
 /// The `redis` crate [`store::RedisStore`] is built on, so applications build its client with
-/// the version this release pairs with (see the README's "Versions").
+/// the version this release pairs with (see [versions](guide::sizing_and_limits#versions)).
 #[cfg(feature = "redis")]
 pub use redis;
 
 /// The `sqlx` crate [`store::PostgresStore`] and [`IdempotencyClaim::commit`] are built on, so
-/// applications open pools and transactions with the version this release pairs with (see the
-/// README's "Versions").
+/// applications open pools and transactions with the version this release pairs with (see
+/// [versions](guide::sizing_and_limits#versions)).
 #[cfg(feature = "postgres")]
 pub use sqlx;
