@@ -139,7 +139,7 @@ async fn deliver(app: &Router, key: &str) -> (usize, usize) {
 /// Redis alone, on a cluster of the test's own: a coordinated failover and a resharding of the
 /// slots in use while duplicates of every key arrive. Neither loses a write, so nothing runs
 /// twice even without Postgres behind (a master that dies is another matter: see
-/// `fleet::a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_resharding`).
+/// `fleet::store_faults::a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_resharding`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_and_a_resharding_mid_run_run_nothing_twice() {
     let cluster = Arc::new(

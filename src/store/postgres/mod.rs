@@ -1,102 +1,32 @@
 //! The Postgres store: the source of truth, a row per key behind a primary key.
 
+mod claim;
 mod connections;
 mod diagnose;
+mod fence;
+mod migrations;
 mod sql;
 
 use std::{
     future::Future,
-    sync::{Arc, LazyLock},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
-use bytes::Bytes;
-use sqlx::{
-    Connection, PgConnection, PgPool, Row,
-    migrate::{Migration, MigrationType, Migrator},
-    postgres::PgRow,
-};
+use sqlx::{PgConnection, PgPool, Row, postgres::PgRow};
 use tokio::task::JoinHandle;
 
-use self::{connections::Connections, sql::*};
+pub(crate) use self::fence::{advance, commit, recovery_point};
+use self::{claim::column_millis, connections::Connections, sql::*};
+pub use self::{
+    fence::{FenceError, RecoveryPoint},
+    migrations::{MIGRATOR, PARTITION_BY_HASH},
+};
 use super::{
-    BoxError, BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo,
-    RecordKey, RecordState, Store, StoreError,
+    BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
+    RecordState, Store, StoreError,
 };
 use crate::StoredResponse;
-
-/// The crate's schema migrations (`migrations/` in the crate): the `idempotency_keys` table and
-/// the `idempotency_fence` sequence.
-///
-/// Three ways to apply them:
-/// - [`PostgresStore::migrate`], which records them in a table of their own,
-///   `_tower_idempotency_migrations`, so they never get in the way of the application's;
-/// - `MIGRATOR.run(&pool)`, recorded in sqlx's `_sqlx_migrations` (an application running its own
-///   migrator on the same database then needs `set_ignore_missing(true)`);
-/// - copying the files into the application's `migrations/` and running `sqlx migrate run`.
-///
-/// The objects are created unqualified, in the first schema of the `search_path`; the store and
-/// the handlers' transactions find them through the same `search_path`.
-///
-/// The set is built on first use from the files compiled into the crate (without sqlx's
-/// `macros` feature), with the versions, descriptions and checksums `sqlx::migrate!` and
-/// `sqlx migrate run` give the same files; it dereferences to a [`Migrator`].
-pub static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
-    Migrator::with_migrations(
-        MIGRATIONS
-            .iter()
-            .map(|&(version, description, sql)| {
-                let no_tx = sql.starts_with("-- no-transaction");
-                let sql = sqlx::SqlSafeStr::into_sql_str(sql);
-                Migration::new(
-                    version,
-                    description.into(),
-                    MigrationType::Simple,
-                    sql,
-                    no_tx,
-                )
-            })
-            .collect(),
-    )
-});
-
-/// The files of `migrations/`: version, description (the file name's rest, `_` read as a
-/// space), SQL. A test checks this list against what sqlx resolves from the directory.
-const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (
-        20261129000000,
-        "idempotency keys",
-        include_str!("../../../migrations/20261129000000_idempotency_keys.sql"),
-    ),
-    (
-        20261129000001,
-        "commit with response",
-        include_str!("../../../migrations/20261129000001_commit_with_response.sql"),
-    ),
-    (
-        20261129000002,
-        "fence function",
-        include_str!("../../../migrations/20261129000002_fence_function.sql"),
-    ),
-    (
-        20261201000000,
-        "recovery points",
-        include_str!("../../../migrations/20261201000000_recovery_points.sql"),
-    ),
-    (
-        20261201000001,
-        "fence retention from the fence",
-        include_str!("../../../migrations/20261201000001_fence_retention_from_the_fence.sql"),
-    ),
-];
-
-/// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 4 ways:
-/// `migrations/optional/partition_by_hash.sql`, which says when to use it. Not part of
-/// [`MIGRATOR`]: run it once after it (`sqlx::raw_sql(PARTITION_BY_HASH).execute(&pool)`), or
-/// copy the file into your migrations. Every statement of the store works on either table;
-/// applied to a partitioned table, it changes nothing.
-pub const PARTITION_BY_HASH: &str =
-    include_str!("../../../migrations/optional/partition_by_hash.sql");
 
 /// The default bound on one Postgres operation (acquiring a connection included).
 pub const DEFAULT_POSTGRES_TIMEOUT: Duration = Duration::from_secs(5);
@@ -157,10 +87,6 @@ const RENEWAL_CONNECTIONS: usize = 4;
 /// Claims race only when a competing claim commits between two statements; after this many
 /// rounds the key is reported in flight.
 const CLAIM_ROUNDS: usize = 4;
-
-/// Taken off a claim's time left before it is sent: the claim must not insert after its caller
-/// gave up, however long the message took to reach the server.
-const SEND_MARGIN: Duration = Duration::from_millis(5);
 
 /// What a claim that meets a row locked by another transaction answers: the holder is alive
 /// (a fence transaction, another claim, a renewal), and done soon.
@@ -238,7 +164,8 @@ impl PostgresStore {
     /// Applies [`MIGRATOR`], tracked in `_tower_idempotency_migrations` (apart from the
     /// application's own `_sqlx_migrations`).
     pub async fn migrate(&self) -> Result<(), sqlx::migrate::MigrateError> {
-        let mut migrator = Migrator::with_migrations(MIGRATOR.iter().cloned().collect());
+        let mut migrator =
+            sqlx::migrate::Migrator::with_migrations(MIGRATOR.iter().cloned().collect());
         // A table of our own from the first run on: never renamed, so nothing to lose.
         migrator.dangerous_set_table_name("_tower_idempotency_migrations");
         migrator.run(&self.pool).await
@@ -318,60 +245,6 @@ impl PostgresStore {
     fn timed_out(&self) -> StoreError {
         StoreError::timeout(STORE, self.timeout)
     }
-
-    /// One round of a claim: `None` when a competing claim committed between snapshots and the
-    /// row must be read again.
-    async fn claim_once(
-        &self,
-        request: &ClaimRequest,
-        started: Instant,
-    ) -> Result<Option<ClaimOutcome>, StoreError> {
-        let record = request.record();
-        let mut connection = self.connections.lend().await.map_err(backend)?;
-        // What is left of the caller's time once a connection is in hand, less a margin for the
-        // message's way to the server: the server inserts only within it.
-        let left = self
-            .timeout
-            .checked_sub(started.elapsed() + SEND_MARGIN)
-            .ok_or_else(|| self.timed_out())?;
-        let row = sqlx::query(CLAIM)
-            .bind(record.scope())
-            .bind(record.key().as_str())
-            .bind(&request.fingerprint().as_bytes()[..])
-            .bind(request.owner())
-            .bind(millis(request.lease()))
-            .bind(millis(left))
-            .fetch_optional(&mut *connection)
-            .await;
-        if connection.give_back(&row) {
-            // The connection was gone: another round, on a fresh one.
-            return Ok(None);
-        }
-        let row = row.map_err(|e| self.failed(e))?;
-        let Some(row) = row else {
-            // A competing claim committed after this statement's snapshot (or the statement ran
-            // past the caller's time and inserted nothing): look again.
-            return Ok(None);
-        };
-        match read_claim(&row, record)? {
-            Some(outcome) => Ok(Some(outcome)),
-            None => self.settle(request).await,
-        }
-    }
-
-    /// Settles a row the common path could not, under its row lock: takes over an expired row,
-    /// or gives the owner of a committed key whose lease lapsed a grace of half a lease to
-    /// renew. A row another transaction holds is in flight: its holder is alive. `None` when
-    /// the row changed meanwhile and must be read again.
-    async fn settle(&self, request: &ClaimRequest) -> Result<Option<ClaimOutcome>, StoreError> {
-        let mut connection = self.connections.lend().await.map_err(backend)?;
-        let settled = settle(&mut connection, request).await;
-        if connection.give_back(&settled) {
-            return Ok(None);
-        }
-        settled.map_err(|e| self.failed(e))
-    }
-
     /// A failure of one of the store's statements: the server's statement timeout is a timeout.
     fn failed(&self, error: sqlx::Error) -> StoreError {
         let cancelled = error
@@ -384,118 +257,6 @@ impl PostgresStore {
             backend(error)
         }
     }
-}
-
-/// What a row of [`CLAIM`] says: the outcome, or `None` for a row the claim must settle under
-/// its lock (expired, or committed with its lease lapsed).
-fn read_claim(row: &PgRow, record: &RecordKey) -> Result<Option<ClaimOutcome>, StoreError> {
-    let corrupt = |source: BoxError| StoreError::corrupt(STORE, record, source);
-    let verdict: String = row.try_get("verdict").map_err(backend)?;
-    Ok(Some(match verdict.as_str() {
-        "acquired" => {
-            let fence: i64 = row.try_get("fence").map_err(backend)?;
-            ClaimOutcome::Acquired {
-                fence: u64::try_from(fence).map_err(|e| corrupt(e.into()))?,
-            }
-        }
-        "mismatch" => ClaimOutcome::Mismatch,
-        "completed" => {
-            let response: Option<Vec<u8>> = row.try_get("response").map_err(backend)?;
-            let response =
-                response.ok_or_else(|| corrupt("completed row without a response".into()))?;
-            let response =
-                StoredResponse::decode(Bytes::from(response)).map_err(|e| corrupt(e.into()))?;
-            ClaimOutcome::Completed {
-                response: Box::new(response),
-                expires_in: column_millis(row, "expires_ms")?,
-            }
-        }
-        "in_flight" => ClaimOutcome::InFlight {
-            retry_after: column_millis(row, "lease_ms")?,
-        },
-        "orphaned" => ClaimOutcome::Orphaned,
-        "expired" | "lapsed" => return Ok(None),
-        other => return Err(corrupt(format!("unknown claim verdict {other:?}").into())),
-    }))
-}
-
-/// A column of milliseconds (`NULL` and negative as zero) as a duration.
-fn column_millis(row: &PgRow, column: &str) -> Result<Duration, StoreError> {
-    let millis: Option<i64> = row.try_get(column).map_err(backend)?;
-    Ok(Duration::from_millis(
-        u64::try_from(millis.unwrap_or(0)).unwrap_or(0),
-    ))
-}
-
-/// See [`PostgresStore::settle`]: in a transaction of its own on `connection`, which ends
-/// before the connection goes back, whatever the row said: a transaction left open would keep
-/// its row lock (and the key in flight) on an idle connection until its next use.
-async fn settle(
-    connection: &mut PgConnection,
-    request: &ClaimRequest,
-) -> Result<Option<ClaimOutcome>, sqlx::Error> {
-    let mut tx = connection.begin().await?;
-    let outcome = settle_in(&mut tx, request).await?;
-    tx.commit().await?;
-    Ok(outcome)
-}
-
-/// The statements of [`settle`], in its transaction.
-async fn settle_in(
-    tx: &mut PgConnection,
-    request: &ClaimRequest,
-) -> Result<Option<ClaimOutcome>, sqlx::Error> {
-    let record = request.record();
-    let locked = sqlx::query(LOCK)
-        .bind(record.scope())
-        .bind(record.key().as_str())
-        .bind(&request.fingerprint().as_bytes()[..])
-        .fetch_optional(&mut *tx)
-        .await?;
-    let Some(row) = locked else {
-        let unsettled: bool = sqlx::query_scalar(UNSETTLED)
-            .bind(record.scope())
-            .bind(record.key().as_str())
-            .fetch_one(&mut *tx)
-            .await?;
-        return Ok(unsettled.then_some(ClaimOutcome::InFlight {
-            retry_after: LOCKED_RETRY,
-        }));
-    };
-    let flag = |column| row.try_get::<bool, _>(column);
-    let state: String = row.try_get("state")?;
-    if !flag("live")? && flag("resumable")? && !flag("same")? && state == "in_flight" {
-        // Progress made for another request: not this one's to take over.
-        return Ok(Some(ClaimOutcome::Mismatch));
-    }
-    if !flag("live")? {
-        let fence: i64 = sqlx::query_scalar(TAKE_OVER)
-            .bind(record.scope())
-            .bind(record.key().as_str())
-            .bind(&request.fingerprint().as_bytes()[..])
-            .bind(request.owner())
-            .bind(millis(request.lease()))
-            .fetch_one(&mut *tx)
-            .await?;
-        let fence = u64::try_from(fence).unwrap_or_default();
-        return Ok(Some(ClaimOutcome::Acquired { fence }));
-    }
-    let lapsed = state == "committed"
-        && flag("same")?
-        && !flag("answered")?
-        && !flag("leased")?
-        && !flag("suspect")?;
-    if !lapsed {
-        return Ok(None);
-    }
-    let grace = request.lease() / 2;
-    sqlx::query(SUSPECT)
-        .bind(record.scope())
-        .bind(record.key().as_str())
-        .bind(millis(grace))
-        .execute(&mut *tx)
-        .await?;
-    Ok(Some(ClaimOutcome::InFlight { retry_after: grace }))
 }
 
 impl Store for PostgresStore {
@@ -727,197 +488,6 @@ fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
         status: status.and_then(|s| http::StatusCode::from_u16(s as u16).ok()),
         record,
     })
-}
-
-/// Moves the key from in flight to committed inside the caller's transaction, if `lease`'s owner
-/// still holds it, storing `response` with it when given. See
-/// [`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit).
-pub(crate) async fn commit(
-    connection: &mut PgConnection,
-    lease: &Lease,
-    times: (Duration, Duration),
-    response: Option<&StoredResponse>,
-) -> Result<(), FenceError> {
-    let (retention, lease_duration) = times;
-    let record = lease.record();
-    let committed: bool = sqlx::query_scalar(COMMIT)
-        .bind(record.scope())
-        .bind(record.key().as_str())
-        .bind(lease.owner())
-        .bind(millis(retention))
-        .bind(millis(lease_duration))
-        .bind(response.map(|r| r.status().as_u16() as i16))
-        .bind(response.map(|r| r.encode().to_vec()))
-        .fetch_one(connection)
-        .await
-        .map_err(|source| FenceError::Database {
-            record: record.clone(),
-            source,
-        })?;
-    fenced(committed, lease)
-}
-
-/// How far a multi-step handler got with its key: the point its last finished step recorded,
-/// and what it left for the next ([`IdempotencyClaim::advance`](crate::IdempotencyClaim::advance)).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecoveryPoint {
-    name: String,
-    payload: serde_json::Value,
-}
-
-impl RecoveryPoint {
-    /// The point's name, as the handler gave it (`"intent_recorded"`, say).
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// What the step left for the next (`null` when it left nothing).
-    pub fn payload(&self) -> &serde_json::Value {
-        &self.payload
-    }
-}
-
-/// Moves the key's recovery point to `point`, with `payload`, inside the caller's transaction, if
-/// `lease`'s owner still holds it in flight. See
-/// [`IdempotencyClaim::advance`](crate::IdempotencyClaim::advance).
-pub(crate) async fn advance(
-    connection: &mut PgConnection,
-    lease: &Lease,
-    times: (Duration, Duration),
-    point: &str,
-    payload: &serde_json::Value,
-) -> Result<(), FenceError> {
-    let (retention, lease_duration) = times;
-    let record = lease.record();
-    let advanced: bool = sqlx::query_scalar(ADVANCE)
-        .bind(record.scope())
-        .bind(record.key().as_str())
-        .bind(lease.owner())
-        .bind(point)
-        .bind(payload.to_string())
-        .bind(millis(retention))
-        .bind(millis(lease_duration))
-        .fetch_one(&mut *connection)
-        .await
-        .map_err(|source| FenceError::Database {
-            record: record.clone(),
-            source,
-        })?;
-    if advanced {
-        return Ok(());
-    }
-    Err(refused(connection, lease).await)
-}
-
-/// The key's recovery point, if `lease`'s owner holds it. See
-/// [`IdempotencyClaim::recovery_point`](crate::IdempotencyClaim::recovery_point).
-pub(crate) async fn recovery_point(
-    connection: &mut PgConnection,
-    lease: &Lease,
-) -> Result<Option<RecoveryPoint>, FenceError> {
-    let record = lease.record();
-    let failed = |source| FenceError::Database {
-        record: record.clone(),
-        source,
-    };
-    let row = sqlx::query(RECOVERY)
-        .bind(record.scope())
-        .bind(record.key().as_str())
-        .bind(lease.owner())
-        .fetch_optional(&mut *connection)
-        .await
-        .map_err(failed)?;
-    let Some(row) = row else {
-        return Err(refused(connection, lease).await);
-    };
-    let name: Option<String> = row.try_get("recovery_point").map_err(failed)?;
-    let payload: Option<String> = row.try_get("payload").map_err(failed)?;
-    let payload = match payload {
-        Some(text) => {
-            serde_json::from_str(&text).map_err(|e| failed(sqlx::Error::Decode(e.into())))?
-        }
-        None => serde_json::Value::Null,
-    };
-    Ok(name.map(|name| RecoveryPoint { name, payload }))
-}
-
-/// Why an owner-checked statement found no row of `lease`'s owner: another attempt holds the
-/// key, or there is no row for it at all (the layer's store is not Postgres, or the key went).
-async fn refused(connection: &mut PgConnection, lease: &Lease) -> FenceError {
-    let record = lease.record();
-    let exists: Result<bool, _> = sqlx::query_scalar(RECORD_EXISTS)
-        .bind(record.scope())
-        .bind(record.key().as_str())
-        .fetch_one(connection)
-        .await;
-    match exists {
-        Ok(false) => FenceError::NoRecord {
-            record: record.clone(),
-        },
-        Ok(true) | Err(_) => FenceError::LeaseLost {
-            record: record.clone(),
-            fence: lease.fence(),
-        },
-    }
-}
-
-/// `Ok` if the owner-checked statement found the owner, else the fence's refusal.
-fn fenced(held: bool, lease: &Lease) -> Result<(), FenceError> {
-    if held {
-        Ok(())
-    } else {
-        Err(FenceError::LeaseLost {
-            record: lease.record().clone(),
-            fence: lease.fence(),
-        })
-    }
-}
-
-/// The fence refused a handler's commit.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum FenceError {
-    /// The request no longer owns its key: its lease expired and another attempt reclaimed it
-    /// (or the key finished). Roll the transaction back: the other attempt is the one that counts.
-    #[error("the claim on {record} (fence {fence}) was lost to another attempt; roll back")]
-    LeaseLost {
-        /// The record whose claim was lost.
-        record: RecordKey,
-        /// The fence this request was granted.
-        fence: u64,
-    },
-    /// There is no record of the key in `idempotency_keys` (on this connection's
-    /// `search_path`): the layer's store is not Postgres (recovery points need it, alone or
-    /// behind Redis), or the key was released meanwhile.
-    #[error(
-        "no idempotency_keys row for {record} on this connection: is the layer's store Postgres \
-         (alone or behind Redis), with its table on this transaction's search_path?"
-    )]
-    NoRecord {
-        /// The record involved.
-        record: RecordKey,
-    },
-    /// The outcome given to [`IdempotencyClaim::commit_with_outcome`] could not be
-    /// serialized: nothing was written.
-    ///
-    /// [`IdempotencyClaim::commit_with_outcome`]: crate::IdempotencyClaim::commit_with_outcome
-    #[error("the outcome of {record} could not be serialized")]
-    Outcome {
-        /// The record involved.
-        record: RecordKey,
-        /// What serde said.
-        #[source]
-        source: serde_json::Error,
-    },
-    /// The fence statement itself failed (the transaction is likely aborted).
-    #[error("could not fence {record}")]
-    Database {
-        /// The record involved.
-        record: RecordKey,
-        /// The database error.
-        #[source]
-        source: sqlx::Error,
-    },
 }
 
 /// An owner-checked statement touches the row if, and only if, the owner still holds it.

@@ -1,0 +1,354 @@
+//! The driver: runs each setup's server, loads it over HTTP, and reads the CPU and memory each process used.
+
+use super::*;
+
+pub(crate) async fn drive(mut options: Options) {
+    let redis = RedisServer::start();
+    let cluster = options
+        .only
+        .iter()
+        .any(|s| s == "redis-cluster")
+        .then(RedisServer::start_cluster);
+    let valkey = options
+        .only
+        .iter()
+        .any(|s| s.ends_with("valkey"))
+        .then(RedisServer::start_valkey)
+        .flatten();
+    if valkey.is_none() {
+        options.only.retain(|s| !s.ends_with("valkey"));
+    }
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let schema = format!("bench_{}", Uuid::new_v4().simple());
+    let admin = sqlx::PgPool::connect(&database_url).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(r#"CREATE SCHEMA "{schema}""#)))
+        .execute(&admin)
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        r#"CREATE SCHEMA "{}""#,
+        partitioned(&schema)
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    let store = postgres_store(&database_url, &schema).await;
+    store.migrate().await.unwrap();
+    let store = postgres_store(&database_url, &partitioned(&schema)).await;
+    store.migrate().await.unwrap();
+    sqlx::raw_sql(PARTITION_BY_HASH)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let seeds = cluster.as_ref().map(RedisServer::urls).unwrap_or_default();
+    let valkey_url = valkey.as_ref().map(RedisServer::url).unwrap_or_default();
+    let env = format!(
+        "{}|{database_url}|{schema}|{seeds}|{valkey_url}",
+        redis.url()
+    );
+    let seconds = Duration::from_secs(options.seconds);
+
+    eprintln!(
+        "load: {} connections, {} s per run, {} rounds, setups {:?}",
+        options.connections, options.seconds, options.rounds, options.only
+    );
+    let mut runs: Runs = BTreeMap::new();
+    let mut floors: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for round in 0..options.rounds {
+        for setup in SETUPS
+            .iter()
+            .filter(|s| options.only.iter().any(|o| o == *s))
+        {
+            let workloads: &[&str] = if setup.starts_with("memory-1mib") {
+                &["fresh"]
+            } else {
+                &["fresh", "replay"]
+            };
+            // The Redis whose CPU the run counts and which it empties first.
+            let server = match (*setup, &cluster, &valkey) {
+                ("redis-cluster", Some(cluster), _) => cluster,
+                ("valkey" | "naive-valkey", _, Some(valkey)) => valkey,
+                _ => &redis,
+            };
+            for &workload in workloads {
+                let run =
+                    measure(setup, workload, &env, server, options.connections, seconds).await;
+                eprintln!("round {round} {setup:>8} {workload:>6}: {run:?}");
+                runs.entry((setup.to_string(), workload.to_string()))
+                    .or_default()
+                    .push(run);
+            }
+        }
+        let servers = Servers {
+            redis: &redis,
+            cluster: cluster.as_ref(),
+            valkey: valkey.as_ref(),
+        };
+        let floors_now = measure_floors(&options, servers, &database_url, &schema, seconds);
+        for (name, floor) in floors_now.await {
+            eprintln!("round {round} floor {name}: {floor:.0}/s");
+            floors.entry(name).or_default().push(floor);
+        }
+    }
+    print_report(&options, &runs, &floors);
+    for schema in [schema.clone(), partitioned(&schema)] {
+        let (rows, bytes): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            r#"SELECT (SELECT count(*) FROM "{schema}".idempotency_keys),
+                      coalesce((SELECT sum(pg_total_relation_size(relid))
+                                FROM pg_partition_tree('"{schema}".idempotency_keys')
+                                WHERE isleaf),
+                               pg_total_relation_size('"{schema}".idempotency_keys'))::int8"#
+        )))
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        if rows > 0 {
+            println!(
+                "- Postgres bytes per key in {schema} (table, TOAST and indexes): {} over {rows} rows",
+                bytes / rows
+            );
+        }
+    }
+
+    drop((redis, cluster, valkey));
+    for schema in [schema.clone(), partitioned(&schema)] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            r#"DROP SCHEMA "{schema}" CASCADE"#
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+    }
+}
+
+pub(crate) async fn measure(
+    setup: &str,
+    workload: &'static str,
+    env: &str,
+    redis: &RedisServer,
+    connections: usize,
+    seconds: Duration,
+) -> Run {
+    let port = free_port();
+    let mut server = Command::new(std::env::current_exe().unwrap())
+        .args(["--serve", setup, &port.to_string(), env])
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let address = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let started = Instant::now();
+    while tokio::net::TcpStream::connect(address).await.is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{setup} did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let run_id = Uuid::new_v4().simple().to_string();
+    // Each run on an empty Redis: a server holding earlier runs' keys answers more slowly.
+    redis.flush().await;
+    // Warm-up: connections, prepared statements, and the keys replays repeat.
+    let warm_up = format!("{run_id}-warm-up");
+    load(
+        address,
+        connections,
+        Duration::from_secs(1),
+        &warm_up,
+        "warm-up",
+    )
+    .await;
+    let replay_keys = format!("{run_id}-replay");
+    load(
+        address,
+        connections,
+        Duration::from_millis(300),
+        &replay_keys,
+        "prime",
+    )
+    .await;
+
+    let cpu_before = process_cpu(server.id());
+    let redis_before = redis.cpu();
+    let postgres_before = postgres_cpu();
+    let started = Instant::now();
+    let mut latencies = match workload {
+        "fresh" => load(address, connections, seconds, &run_id, "fresh").await,
+        _ => load(address, connections, seconds, &replay_keys, "replay").await,
+    };
+    let elapsed = started.elapsed();
+    let cpu = process_cpu(server.id()) - cpu_before;
+    let peak_rss_mib = peak_rss_kib(server.id()) as f64 / 1024.0;
+    let redis_cpu = redis.cpu() - redis_before;
+    let postgres_cpu = postgres_cpu().saturating_sub(postgres_before);
+    let _ = server.kill();
+    let _ = server.wait();
+    let redis_bytes_per_key = match (setup, workload) {
+        ("redis" | "valkey", "fresh") => redis.bytes_per_key("bench:*").await,
+        ("naive" | "naive-valkey", "fresh") => redis.bytes_per_key("naive:*").await,
+        _ => None,
+    };
+
+    latencies.sort_unstable();
+    let requests = latencies.len() as u64;
+    let at = |q: f64| latencies[((requests as f64 - 1.0) * q) as usize];
+    Run {
+        redis_bytes_per_key,
+        peak_rss_mib,
+        rps: requests as f64 / elapsed.as_secs_f64(),
+        p50_us: at(0.5),
+        p99_us: at(0.99),
+        max_us: at(1.0),
+        cpu_us_per_req: cpu.as_secs_f64() * 1e6 / requests as f64,
+        redis_us_per_req: matches!(
+            setup,
+            "redis" | "redis-cluster" | "naive" | "tiered" | "valkey" | "naive-valkey"
+        )
+        .then(|| redis_cpu.as_secs_f64() * 1e6 / requests as f64),
+        postgres_us_per_req: (setup.starts_with("postgres") || setup == "tiered")
+            .then(|| postgres_cpu.as_secs_f64() * 1e6 / requests as f64),
+    }
+}
+
+/// Sends requests on `connections` keep-alive connections for `duration`; returns each one's
+/// latency in µs. Keys are `{prefix}-{connection}-{n}`, except for "replay" and "prime", which
+/// use one key per connection.
+pub(crate) async fn load(
+    address: SocketAddr,
+    connections: usize,
+    duration: Duration,
+    prefix: &str,
+    workload: &'static str,
+) -> Vec<u64> {
+    let body = Bytes::from(payment_body());
+    let stop = Arc::new(AtomicBool::new(false));
+    let errors = Arc::new(AtomicU64::new(0));
+    let tasks: Vec<_> = (0..connections)
+        .map(|c| {
+            let (body, stop, errors) = (body.clone(), Arc::clone(&stop), Arc::clone(&errors));
+            let prefix = prefix.to_owned();
+            tokio::spawn(async move {
+                let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+                stream.set_nodelay(true).unwrap();
+                let (mut sender, connection) =
+                    hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                        .await
+                        .unwrap();
+                tokio::spawn(connection);
+                let mut latencies = Vec::with_capacity(8192);
+                let mut n = 0u64;
+                while !stop.load(Relaxed) {
+                    let key = match workload {
+                        "replay" | "prime" => format!("{prefix}-{c}"),
+                        _ => format!("{prefix}-{c}-{n}"),
+                    };
+                    n += 1;
+                    let request = http::Request::post("/payments")
+                        .header(header::HOST, "localhost")
+                        .header("idempotency-key", key)
+                        .header(header::CONTENT_TYPE, "application/json")
+                        .body(Full::new(body.clone()))
+                        .unwrap();
+                    let started = Instant::now();
+                    let ok = match sender.send_request(request).await {
+                        Ok(response) => {
+                            let status = response.status();
+                            response.into_body().collect().await.is_ok()
+                                && status == StatusCode::CREATED
+                        }
+                        Err(_) => false,
+                    };
+                    if ok {
+                        latencies.push(started.elapsed().as_micros() as u64);
+                    } else {
+                        errors.fetch_add(1, Relaxed);
+                    }
+                    if workload == "prime" {
+                        break;
+                    }
+                }
+                latencies
+            })
+        })
+        .collect();
+    if workload != "prime" {
+        tokio::time::sleep(duration).await;
+    }
+    stop.store(true, Relaxed);
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await.unwrap());
+    }
+    let errors = errors.load(Relaxed);
+    assert!(
+        errors * 1000 <= all.len() as u64 + 1000,
+        "{workload}: {errors} failed requests against {} answered",
+        all.len()
+    );
+    all
+}
+
+/// A 1 KiB JSON body.
+pub(crate) fn payment_body() -> Vec<u8> {
+    let mut body =
+        br#"{"amount_cents":4900,"currency":"usd","customer":"cus_1","metadata":""#.to_vec();
+    while body.len() < 1024 - 2 {
+        body.push(b'x');
+    }
+    body.extend_from_slice(br#""}"#);
+    body
+}
+
+/// The CPU time a process has used so far (all its threads).
+pub(crate) fn process_cpu(pid: u32) -> Duration {
+    try_process_cpu(pid).unwrap_or_else(|| panic!("no process {pid}"))
+}
+
+/// The CPU time a process has used so far, if it is still there.
+pub(crate) fn try_process_cpu(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 2..].split(' ').collect();
+    let ticks: u64 = fields[11].parse::<u64>().ok()? + fields[12].parse::<u64>().ok()?;
+    Some(Duration::from_secs_f64(ticks as f64 / clock_ticks() as f64))
+}
+
+/// The CPU time of every `postgres` process so far (backends come and go: a process that
+/// ends between two readings takes its time with it, so measure with a pool that stays up).
+pub(crate) fn postgres_cpu() -> Duration {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "postgres")
+        })
+        .filter_map(try_process_cpu)
+        .sum()
+}
+
+/// A process's peak resident set (`VmHWM`), in KiB.
+pub(crate) fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+pub(crate) fn clock_ticks() -> u64 {
+    let out = Command::new("getconf").arg("CLK_TCK").output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(100)
+}
+
+pub(crate) fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -1,0 +1,155 @@
+//! The load benchmark: what a guarded request costs on each store, against a bare handler and
+//! against a naive `SET NX EX` guard, over real HTTP on loopback, with each store's floor
+//! measured by the same program.
+//!
+//! ```sh
+//! cargo bench --bench load                      # about ten minutes
+//! cargo bench --bench load -- --seconds 3 --rounds 1 --only bare,memory
+//! ```
+//!
+//! Each setup runs as a server process of its own (this binary, re-run with `--serve`), so its
+//! CPU time (`/proc/<pid>/stat`) is the server's alone; 64 connections (`--connections`) send
+//! `POST /payments` with a 1 KiB JSON body for `--seconds` (5) after a one-second warm-up; the
+//! handler answers 201 with about 200 bytes. "fresh" requests carry a new key each; "replay"
+//! requests repeat keys completed during the warm-up. Rounds (`--rounds`, 3) interleave the
+//! setups, and ratios are medians of per-round ratios.
+//!
+//! `REDIS_SERVER` (and `REDIS_CLI`) name the server program, so a Valkey run is the same command
+//! with `REDIS_SERVER=valkey-server`. "redis-cluster" is the Redis store on a cluster of three
+//! masters this program starts (`redis-cli --cluster create`), on the same cores. "valkey" and
+//! "naive-valkey" are the Redis store and the naive guard on a Valkey server beside the Redis
+//! one, in the same rounds, when a `valkey-server` is found (`VALKEY_SERVER`, the `PATH`, or
+//! where `.ci/valkey` puts it); without one they are left out.
+//!
+//! Redis runs as a `redis-server` this program starts on a free port, emptied before each run,
+//! so that its CPU time (`/proc`, per request) and `MEMORY USAGE` (per completed key) count only
+//! that run; Postgres is `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), in a
+//! schema of the run's own, dropped at the end.
+
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, SocketAddr, TcpListener},
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Router,
+    body::{Body, Bytes},
+    extract::{Request, State},
+    http::{HeaderValue, StatusCode, header},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::post,
+};
+use http_body_util::{BodyExt, Full};
+use redis::{AsyncCommands, aio::ConnectionManager};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tower_idempotency::{
+    Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse,
+    store::{
+        ClaimOutcome, ClaimRequest, PARTITION_BY_HASH, PostgresStore, RecordKey, RedisStore, Store,
+        TieredStore,
+    },
+};
+use uuid::Uuid;
+
+const SETUPS: [&str; 12] = [
+    "bare",
+    "memory",
+    "naive",
+    "redis",
+    "redis-cluster",
+    "naive-valkey",
+    "valkey",
+    "postgres",
+    "postgres-partitioned",
+    "tiered",
+    "memory-1mib",
+    "memory-1mib-unbounded",
+];
+
+/// About 200 bytes, as a payment API answers.
+const ANSWER: &str = r#"{"id":"pay_8f14e45fceea167a5a36dedd4bea2543","object":"payment","amount_cents":4900,"currency":"usd","customer":"cus_1","status":"succeeded","charge_id":"ch_c9f0f895fb98ab9159f51fd0297e236d"}"#;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(at) = args.iter().position(|a| a == "--serve") {
+        return serve(&args[at + 1], args[at + 2].parse().unwrap(), &args[at + 3]);
+    }
+    let options = Options::parse(&args);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(drive(options));
+}
+
+struct Options {
+    seconds: u64,
+    rounds: usize,
+    connections: usize,
+    only: Vec<String>,
+}
+
+impl Options {
+    fn parse(args: &[String]) -> Self {
+        let value = |name: &str| {
+            args.iter()
+                .position(|a| a == name)
+                .and_then(|at| args.get(at + 1).cloned())
+        };
+        Self {
+            seconds: value("--seconds").map_or(5, |v| v.parse().unwrap()),
+            rounds: value("--rounds").map_or(3, |v| v.parse().unwrap()),
+            connections: value("--connections").map_or(64, |v| v.parse().unwrap()),
+            only: value("--only").map_or_else(
+                || SETUPS.iter().map(|s| s.to_string()).collect(),
+                |v| v.split(',').map(str::to_owned).collect(),
+            ),
+        }
+    }
+}
+
+/// Every run, by setup and workload.
+type Runs = BTreeMap<(String, String), Vec<Run>>;
+
+/// One measured run of one setup and workload.
+#[derive(Debug, Clone, Default)]
+struct Run {
+    rps: f64,
+    /// The server's peak resident memory, in MiB.
+    peak_rss_mib: f64,
+    /// Mean `MEMORY USAGE` of the keys a Redis setup completed.
+    redis_bytes_per_key: Option<f64>,
+    p50_us: u64,
+    p99_us: u64,
+    /// The slowest request: a stall of the whole server (a lock held across a table's growth)
+    /// delays only the requests in flight, too few to move the p99 of this client.
+    max_us: u64,
+    cpu_us_per_req: f64,
+    redis_us_per_req: Option<f64>,
+    /// CPU of every `postgres` process on this machine per request (the server is local).
+    postgres_us_per_req: Option<f64>,
+}
+
+/// The Redis servers of the run: the one server, and the cluster and the Valkey server when the
+/// run has them.
+#[derive(Clone, Copy)]
+struct Servers<'a> {
+    redis: &'a RedisServer,
+    cluster: Option<&'a RedisServer>,
+    valkey: Option<&'a RedisServer>,
+}
+
+mod setups;
+mod drive;
+mod floors;
+mod servers;
+mod report;
+
+use self::{drive::*, floors::*, report::*, servers::*, setups::*};

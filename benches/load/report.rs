@@ -1,0 +1,174 @@
+//! The report: medians of per-round ratios, as tables.
+
+use super::*;
+
+pub(crate) fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&str, Vec<f64>>) {
+    let get = |setup: &str, workload: &str| runs.get(&(setup.to_owned(), workload.to_owned()));
+    // Per-round ratio of `a` to `b` (req/s), median over rounds.
+    let ratio =
+        |a: &[Run], b: &[Run]| median(a.iter().zip(b).map(|(a, b)| a.rps / b.rps).collect());
+    println!(
+        "\n{} connections, {} s per run, {} interleaved rounds; medians over rounds\n",
+        options.connections, options.seconds, options.rounds
+    );
+    println!(
+        "| setup | workload | req/s | p50 µs | p99 µs | max ms | server CPU µs/req | Redis CPU µs/req | Postgres CPU µs/req | server peak RSS MiB | × bare |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for setup in SETUPS {
+        for workload in ["fresh", "replay"] {
+            let Some(list) = get(setup, workload) else {
+                continue;
+            };
+            let m = |f: fn(&Run) -> f64| median(list.iter().map(f).collect());
+            let vs_bare = get("bare", workload).map_or(String::from("–"), |bare| {
+                format!("{:.2}", ratio(list, bare))
+            });
+            let redis = if list[0].redis_us_per_req.is_some() {
+                format!("{:.1}", m(|r| r.redis_us_per_req.unwrap_or_default()))
+            } else {
+                "–".into()
+            };
+            let postgres = if list[0].postgres_us_per_req.is_some() {
+                format!("{:.1}", m(|r| r.postgres_us_per_req.unwrap_or_default()))
+            } else {
+                "–".into()
+            };
+            println!(
+                "| {setup} | {workload} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {redis} | {postgres} | {:.0} | {vs_bare} |",
+                m(|r| r.rps),
+                m(|r| r.p50_us as f64),
+                m(|r| r.p99_us as f64),
+                m(|r| r.max_us as f64 / 1000.0),
+                m(|r| r.cpu_us_per_req),
+                m(|r| r.peak_rss_mib),
+            );
+        }
+    }
+    println!(
+        "\n| floor (claim + complete, {} tasks) | ops/s |",
+        options.connections
+    );
+    println!("|---|---|");
+    for (name, values) in floors {
+        println!("| {name} | {:.0} |", median(values.clone()));
+    }
+    println!("\nRatios (medians of per-round ratios):\n");
+    let cpu = |setup: &str| {
+        get(setup, "fresh").map(|l| median(l.iter().map(|r| r.cpu_us_per_req).collect()))
+    };
+    if let (Some(memory), Some(bare)) = (cpu("memory"), cpu("bare")) {
+        println!(
+            "- layer's own CPU per fresh request (memory − bare): {:.1} µs",
+            memory - bare
+        );
+    }
+    if let (Some(x), Some(y)) = (get("memory", "fresh"), get("bare", "fresh")) {
+        println!(
+            "- fresh keys, memory store vs bare handler: {:.2}×",
+            ratio(x, y)
+        );
+    }
+    for (ours, naive, server) in [
+        ("redis", "naive", "Redis"),
+        ("valkey", "naive-valkey", "Valkey"),
+    ] {
+        for (workload, what) in [("fresh", "fresh keys"), ("replay", "replays")] {
+            if let (Some(x), Some(y)) = (get(ours, workload), get(naive, workload)) {
+                let ratio = ratio(x, y);
+                println!(
+                    "- {what}, Redis store vs naive SET NX EX guard, on {server}: {ratio:.2}×"
+                );
+            }
+        }
+    }
+    for workload in ["fresh", "replay"] {
+        let (Some(x), Some(y)) = (get("redis-cluster", workload), get("redis", workload)) else {
+            continue;
+        };
+        let per_request = |list: &[Run]| {
+            median(
+                list.iter()
+                    .map(|r| r.cpu_us_per_req + r.redis_us_per_req.unwrap_or_default())
+                    .collect(),
+            )
+        };
+        println!(
+            "- {workload}, Redis Cluster (3 masters) vs one Redis: {:.2}× the requests, {:.2}× the \
+             CPU per request (server and Redis together)",
+            ratio(x, y),
+            per_request(x) / per_request(y)
+        );
+    }
+    for setup in [
+        "postgres",
+        "postgres-partitioned",
+        "tiered",
+        "redis",
+        "redis-cluster",
+        "valkey",
+    ] {
+        if let (Some(list), Some(floor)) = (get(setup, "fresh"), floors.get(setup)) {
+            let per_round: Vec<f64> = list.iter().zip(floor).map(|(r, f)| r.rps / f).collect();
+            println!(
+                "- fresh keys, {setup} vs its floor: {:.2}×",
+                median(per_round)
+            );
+        }
+    }
+    if let (Some(x), Some(y)) = (
+        get("postgres-partitioned", "fresh"),
+        get("postgres", "fresh"),
+    ) {
+        println!(
+            "- fresh keys, partitioned vs plain idempotency_keys: {:.2}×",
+            ratio(x, y)
+        );
+    }
+    if let (Some(x), Some(y)) = (floors.get("postgres-partitioned"), floors.get("postgres")) {
+        let per_round = x.iter().zip(y).map(|(x, y)| x / y).collect();
+        println!(
+            "- claim + complete floor, partitioned vs plain: {:.2}×",
+            median(per_round)
+        );
+    }
+    if let Some(cpu) = cpu("postgres") {
+        println!("- application CPU per fresh request on Postgres: {cpu:.1} µs");
+    }
+    let redis_cpu = |setup: &str| {
+        get(setup, "fresh").map(|l| {
+            median(
+                l.iter()
+                    .map(|r| r.redis_us_per_req.unwrap_or_default())
+                    .collect(),
+            )
+        })
+    };
+    for (ours, naive, server) in [
+        ("redis", "naive", "Redis"),
+        ("valkey", "naive-valkey", "Valkey"),
+    ] {
+        if let (Some(ours), Some(naive)) = (redis_cpu(ours), redis_cpu(naive)) {
+            println!(
+                "- {server} server CPU per fresh key: {ours:.1} µs vs naive {naive:.1} µs ({:.2}×)",
+                ours / naive
+            );
+        }
+    }
+    let bytes = |setup: &str| {
+        get(setup, "fresh").and_then(|l| l.iter().rev().find_map(|r| r.redis_bytes_per_key))
+    };
+    for (ours, naive, server) in [
+        ("redis", "naive", "Redis"),
+        ("valkey", "naive-valkey", "Valkey"),
+    ] {
+        if let (Some(ours), Some(naive)) = (bytes(ours), bytes(naive)) {
+            println!("- {server} memory per completed key: {ours:.0} B vs naive {naive:.0} B");
+        }
+    }
+}

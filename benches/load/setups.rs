@@ -1,0 +1,158 @@
+//! The server side: each setup (a store, a naive guard, or none) served as a process of its own.
+
+use super::*;
+
+/// Serves one setup on `port` until killed. `env` is
+/// "redis_url|database_url|schema|cluster|valkey_url", the cluster the Redis Cluster's node URLs,
+/// comma-separated (empty without a cluster; the Valkey URL is empty without one).
+pub(crate) fn serve(setup: &str, port: u16, env: &str) {
+    let mut parts = env.split('|');
+    let (redis_url, database_url, schema, cluster, valkey_url) = (
+        parts.next().unwrap().to_owned(),
+        parts.next().unwrap().to_owned(),
+        parts.next().unwrap().to_owned(),
+        parts.next().unwrap_or_default().to_owned(),
+        parts.next().unwrap_or_default().to_owned(),
+    );
+    let setup = setup.to_owned();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async move {
+            let handler = post(|_body: Bytes| async {
+                (
+                    StatusCode::CREATED,
+                    [(header::CONTENT_TYPE, "application/json")],
+                    ANSWER,
+                )
+            });
+            let prefix = format!("bench:{}:", Uuid::new_v4().simple());
+            let layered = |store: Arc<dyn Store>| {
+                Router::new().route(
+                    "/payments",
+                    handler
+                        .clone()
+                        .route_layer(IdempotencyLayer::from_shared_store(store)),
+                )
+            };
+            // 1 MiB answers kept 2 s, on a memory store with its default budget or none.
+            let big = |store: MemoryStore| {
+                let handler = post(|_body: Bytes| async {
+                    (StatusCode::CREATED, Bytes::from(vec![b'x'; 1024 * 1024]))
+                });
+                let layer = IdempotencyLayer::new(store)
+                    .with_max_response_body(2 * 1024 * 1024)
+                    .with_retention(Duration::from_secs(2));
+                Router::new().route("/payments", handler.route_layer(layer))
+            };
+            let app = match setup.as_str() {
+                "bare" => Router::new().route("/payments", handler),
+                "memory" => layered(Arc::new(MemoryStore::new())),
+                "memory-1mib" => big(MemoryStore::new()),
+                "memory-1mib-unbounded" => big(MemoryStore::new().with_max_bytes(usize::MAX)),
+                "redis" => layered(Arc::new(redis_store(&redis_url, &prefix))),
+                "valkey" => layered(Arc::new(redis_store(&valkey_url, &prefix))),
+                "redis-cluster" => layered(Arc::new(cluster_store(&cluster, &prefix))),
+                "postgres" => layered(Arc::new(postgres_store(&database_url, &schema).await)),
+                "postgres-partitioned" => layered(Arc::new(
+                    postgres_store(&database_url, &partitioned(&schema)).await,
+                )),
+                "tiered" => layered(Arc::new(TieredStore::new(
+                    redis_store(&redis_url, &prefix),
+                    postgres_store(&database_url, &schema).await,
+                ))),
+                "naive" | "naive-valkey" => {
+                    let url = if setup == "naive" {
+                        redis_url
+                    } else {
+                        valkey_url
+                    };
+                    let redis = ConnectionManager::new(redis::Client::open(url).unwrap())
+                        .await
+                        .unwrap();
+                    let prefix = format!("naive:{}:", Uuid::new_v4().simple());
+                    Router::new().route(
+                        "/payments",
+                        handler.route_layer(middleware::from_fn_with_state(
+                            (redis, Arc::<str>::from(prefix)),
+                            naive_guard,
+                        )),
+                    )
+                }
+                other => panic!("unknown setup {other}"),
+            };
+            let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port))
+                .await
+                .unwrap();
+            axum::serve(listener, app).await.unwrap();
+        });
+}
+
+pub(crate) fn redis_store(url: &str, prefix: &str) -> RedisStore {
+    RedisStore::open(url).unwrap().with_prefix(prefix)
+}
+
+pub(crate) fn cluster_store(seeds: &str, prefix: &str) -> RedisStore {
+    RedisStore::cluster(seeds.split(','))
+        .unwrap()
+        .with_prefix(prefix)
+}
+
+/// The schema beside `schema` whose `idempotency_keys` is hash-partitioned.
+pub(crate) fn partitioned(schema: &str) -> String {
+    format!("{schema}_partitioned")
+}
+
+pub(crate) async fn postgres_store(url: &str, schema: &str) -> PostgresStore {
+    let options: PgConnectOptions = url.parse().unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .connect_with(options.options([("search_path", schema)]))
+        .await
+        .unwrap();
+    PostgresStore::new(pool)
+}
+
+/// The naive guard's claim: `SET key "" NX EX 86400`; whether it set the key.
+pub(crate) async fn naive_claim(redis: &mut ConnectionManager, key: &str) -> bool {
+    let claimed: Option<String> = redis::cmd("SET")
+        .arg(key)
+        .arg("")
+        .arg("NX")
+        .arg("EX")
+        .arg(86_400)
+        .query_async(redis)
+        .await
+        .unwrap();
+    claimed.is_some()
+}
+
+/// What a team writes before it finds this crate: `SET key "" NX EX`, run, `SET key body EX`;
+/// a retry `GET`s the body. No owner, no fingerprint, no lease renewal, no fence.
+pub(crate) async fn naive_guard(
+    State((mut redis, prefix)): State<(ConnectionManager, Arc<str>)>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(key) = request.headers().get("idempotency-key").cloned() else {
+        return next.run(request).await;
+    };
+    let key = format!("{prefix}{}", key.to_str().unwrap_or_default());
+    if !naive_claim(&mut redis, &key).await {
+        let stored: Vec<u8> = redis.get(&key).await.unwrap();
+        if stored.is_empty() {
+            return StatusCode::CONFLICT.into_response();
+        }
+        let mut response = (StatusCode::CREATED, stored).into_response();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        return response;
+    }
+    let (parts, body) = next.run(request).await.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    let () = redis.set_ex(&key, body.as_ref(), 86_400).await.unwrap();
+    Response::from_parts(parts, Body::from(body))
+}
