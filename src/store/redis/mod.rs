@@ -1,6 +1,7 @@
 //! The Redis store: every state change is one ownership-checked Lua script, or, where the
 //! server compares and sets, one command on the exact record the claim wrote.
 
+mod connection;
 mod diagnose;
 mod record;
 
@@ -13,17 +14,14 @@ use std::{
 };
 
 use ::redis::{
-    Client, Cmd, ErrorKind, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, Script,
-    ServerErrorKind, Value,
-    aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
-    cluster::{ClusterClient, ClusterClientBuilder},
-    cluster_async::ClusterConnection,
-    cluster_routing::{RoutingInfo, SingleNodeRoutingInfo},
+    Client, ErrorKind, IntoConnectionInfo, RedisError, Script, ServerErrorKind, Value,
+    aio::{ConnectionManager, ConnectionManagerConfig},
 };
 
-use tokio::sync::OnceCell;
-
-use self::record::Record;
+use self::{
+    connection::{Backend, Cluster, Connection, Node},
+    record::Record,
+};
 use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
     RecordState, Store, StoreError,
@@ -84,125 +82,6 @@ pub struct RedisStore {
     timeout: Duration,
     /// Set once the server refused `SET … IFEQ`: finalize with the scripts.
     scripts_only: Arc<AtomicBool>,
-}
-
-/// Where the store's commands go.
-#[derive(Clone)]
-enum Backend {
-    /// One server, through a manager made on first use with the store's timeout.
-    Server {
-        client: Client,
-        manager: Arc<OnceCell<ConnectionManager>>,
-    },
-    Cluster(Arc<Cluster>),
-}
-
-/// A Redis Cluster, connected on first use (and again after a failed first connection).
-struct Cluster {
-    seeds: Vec<::redis::ConnectionInfo>,
-    connection: OnceCell<ClusterConnection>,
-}
-
-impl Cluster {
-    fn new(seeds: Vec<::redis::ConnectionInfo>) -> Self {
-        Self {
-            seeds,
-            connection: OnceCell::new(),
-        }
-    }
-
-    fn client(&self, timeout: Duration) -> Result<ClusterClient, RedisError> {
-        ClusterClientBuilder::new(self.seeds.clone())
-            .connection_timeout(timeout.max(Duration::from_secs(1)))
-            .response_timeout(timeout)
-            .build()
-    }
-}
-
-/// A connection to the one server or to the cluster.
-#[derive(Clone)]
-enum Connection {
-    Server(ConnectionManager),
-    Cluster(ClusterConnection),
-}
-
-impl ConnectionLike for Connection {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            Self::Server(connection) => connection.req_packed_command(cmd),
-            Self::Cluster(connection) => connection.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Self::Server(connection) => connection.req_packed_commands(pipeline, offset, count),
-            Self::Cluster(connection) => connection.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Self::Server(connection) => connection.get_db(),
-            Self::Cluster(connection) => connection.get_db(),
-        }
-    }
-}
-
-/// A master of the cluster, by address (`None`: the one server).
-type Node = Option<(String, u16)>;
-
-impl Connection {
-    /// The masters whose keyspaces together hold every record.
-    async fn masters(&mut self) -> Result<Vec<Node>, RedisError> {
-        let Self::Cluster(connection) = self else {
-            return Ok(vec![None]);
-        };
-        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
-        let slots = connection
-            .route_command(::redis::cmd("CLUSTER").arg("SLOTS").clone(), routing)
-            .await?;
-        // Each entry: start slot, end slot, then the master as [host, port, id, …], replicas.
-        let slots: Vec<Vec<Value>> = ::redis::from_redis_value(slots.extract_error()?)?;
-        let mut masters = Vec::new();
-        for range in slots {
-            let or_nil = |value: Option<Value>| value.unwrap_or(Value::Nil);
-            let master: Vec<Value> = ::redis::from_redis_value(or_nil(range.into_iter().nth(2)))?;
-            let mut master = master.into_iter();
-            let host: String = ::redis::from_redis_value(or_nil(master.next()))?;
-            let port: u16 = ::redis::from_redis_value(or_nil(master.next()))?;
-            masters.push(Some((host, port)));
-        }
-        masters.sort();
-        masters.dedup();
-        Ok(masters)
-    }
-
-    /// Sends `pipeline` to `node` (on a cluster, to that master whatever the keys' slots).
-    async fn pipeline_on(
-        &mut self,
-        node: &Node,
-        pipeline: &Pipeline,
-    ) -> Result<Vec<Value>, RedisError> {
-        match (self, node) {
-            (Self::Cluster(connection), Some((host, port))) => {
-                let route = SingleNodeRoutingInfo::ByAddress {
-                    host: host.clone(),
-                    port: *port,
-                };
-                let count = pipeline.len();
-                connection
-                    .route_pipeline(pipeline.clone(), 0, count, route)
-                    .await
-            }
-            (connection, _) => pipeline.query_async(connection).await,
-        }
-    }
 }
 
 /// The default bound on one Redis call.

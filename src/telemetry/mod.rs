@@ -64,8 +64,10 @@
 //!
 //! [`metrics`]: https://docs.rs/metrics
 
+mod pseudonym;
+mod registration;
+
 use std::{
-    fmt,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering::Relaxed},
@@ -73,8 +75,10 @@ use std::{
     time::Duration,
 };
 
-use sha2::{Digest, Sha256};
-
+pub(crate) use self::{
+    pseudonym::{Pseudonym, ShownRecord},
+    registration::*,
+};
 use crate::IdempotencyOutcome;
 
 macro_rules! counters {
@@ -163,226 +167,6 @@ pub const HISTOGRAMS: [(&str, &[f64]); 3] = [
     ("idempotency_handler_seconds", HANDLER_BUCKETS),
     ("idempotency_unit_seconds", HANDLER_BUCKETS),
 ];
-
-/// What became of one delivery of a unit of work: the `outcome` label of
-/// `idempotency_units_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum UnitOutcome {
-    Executed,
-    Replayed,
-    Failed,
-    InFlight,
-    Mismatch,
-    OutcomeUnknown,
-    Superseded,
-    StoreUnavailable,
-}
-
-#[cfg(feature = "metrics")]
-impl UnitOutcome {
-    const ALL: [Self; 8] = [
-        Self::Executed,
-        Self::Replayed,
-        Self::Failed,
-        Self::InFlight,
-        Self::Mismatch,
-        Self::OutcomeUnknown,
-        Self::Superseded,
-        Self::StoreUnavailable,
-    ];
-
-    /// The `outcome` label.
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Executed => "executed",
-            Self::Replayed => "replayed",
-            Self::Failed => "failed",
-            Self::InFlight => "in_flight",
-            Self::Mismatch => "mismatch",
-            Self::OutcomeUnknown => "outcome_unknown",
-            Self::Superseded => "superseded",
-            Self::StoreUnavailable => "store_unavailable",
-        }
-    }
-}
-
-/// Registers `idempotency_units_total` at zero for every outcome on `store`, and describes it.
-pub(crate) fn register_unit_metrics(store: &'static str) {
-    #[cfg(not(feature = "metrics"))]
-    let _ = store;
-    #[cfg(feature = "metrics")]
-    {
-        metrics::describe_counter!(
-            "idempotency_units_total",
-            "deliveries of units of work, by outcome and store"
-        );
-        metrics::describe_histogram!(
-            "idempotency_unit_seconds",
-            metrics::Unit::Seconds,
-            "how long units of work ran"
-        );
-        for outcome in UnitOutcome::ALL {
-            metrics::counter!("idempotency_units_total", "outcome" => outcome.as_str(), "store" => store)
-                .increment(0);
-        }
-    }
-}
-
-/// Registers the layer's metrics without labels at zero, with their descriptions, so that they
-/// are exported (and alerts on them evaluate) before their first event.
-pub(crate) fn register_layer_metrics(store: &'static str) {
-    #[cfg(not(feature = "metrics"))]
-    let _ = store;
-    #[cfg(feature = "metrics")]
-    {
-        use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
-        describe_counter!(
-            "idempotency_requests_total",
-            "guarded requests, by outcome and store"
-        );
-        describe_histogram!(
-            "idempotency_handler_seconds",
-            Unit::Seconds,
-            "how long handlers ran"
-        );
-        describe_histogram!(
-            "idempotency_store_call_seconds",
-            Unit::Seconds,
-            "store calls (claim, renew, complete, release), errors included"
-        );
-        describe_counter!("idempotency_store_errors_total", "store calls that failed");
-        describe_gauge!(
-            "idempotency_claims_held",
-            "keys this instance holds right now"
-        );
-        let counters = [
-            (
-                "idempotency_waits_total",
-                "requests that found their key in flight and waited",
-            ),
-            (
-                "idempotency_leases_lost_total",
-                "leases found in another owner's hands",
-            ),
-            (
-                "idempotency_grants_lapsed_total",
-                "claims granted too late to act on (not run, claimed again)",
-            ),
-            (
-                "idempotency_finalize_failures_total",
-                "finalizes still failing after the quick retries",
-            ),
-        ];
-        for (name, help) in counters {
-            describe_counter!(name, help);
-            metrics::counter!(name).increment(0);
-        }
-        metrics::gauge!("idempotency_claims_held").increment(0.0);
-        // Every outcome's series, so that a panel or an alert on a rare one (outcome_unknown)
-        // has a series from the start, not "No data" until it first happens.
-        for outcome in IdempotencyOutcome::ALL {
-            metrics::counter!("idempotency_requests_total", "outcome" => outcome.as_str(), "store" => store)
-                .increment(0);
-        }
-        for operation in STORE_OPERATIONS {
-            metrics::counter!("idempotency_store_errors_total", "operation" => operation.as_str(), "store" => store)
-                .increment(0);
-        }
-    }
-}
-
-/// The store calls whose error counters are registered at zero.
-#[cfg(feature = "metrics")]
-const STORE_OPERATIONS: [Operation; 4] = [
-    Operation::Claim,
-    Operation::Renew,
-    Operation::Complete,
-    Operation::Release,
-];
-
-/// A store call the layer times (`operation` label of the store call metrics).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Operation {
-    Claim,
-    Adopt,
-    Renew,
-    Complete,
-    Release,
-}
-
-#[cfg(feature = "metrics")]
-impl Operation {
-    const ALL: [Self; 5] = [
-        Self::Claim,
-        Self::Adopt,
-        Self::Renew,
-        Self::Complete,
-        Self::Release,
-    ];
-
-    /// The `operation` label.
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            Self::Claim => "claim",
-            Self::Adopt => "adopt",
-            Self::Renew => "renew",
-            Self::Complete => "complete",
-            Self::Release => "release",
-        }
-    }
-}
-
-/// Registers a tiered store's metrics (the breaker closed, no fallbacks yet).
-pub(crate) fn register_tiered_metrics() {
-    #[cfg(feature = "metrics")]
-    {
-        use metrics::{describe_counter, describe_gauge};
-        describe_counter!(
-            "idempotency_front_fallbacks_total",
-            "tiered store calls that went on without the front"
-        );
-        describe_counter!(
-            "idempotency_front_breaker_transitions_total",
-            "the tiered store's breaker opening and closing"
-        );
-        describe_gauge!(
-            "idempotency_front_breaker_open",
-            "1 while the breaker skips the front"
-        );
-        metrics::gauge!("idempotency_front_breaker_open").increment(0.0);
-        for to in ["open", "closed"] {
-            metrics::counter!("idempotency_front_breaker_transitions_total", "to" => to)
-                .increment(0);
-        }
-        for operation in STORE_OPERATIONS {
-            metrics::counter!("idempotency_front_fallbacks_total", "operation" => operation.as_str())
-                .increment(0);
-        }
-    }
-}
-
-/// Registers the Postgres store's sweeper counter at zero.
-#[cfg(feature = "postgres")]
-pub(crate) fn register_postgres_metrics() {
-    #[cfg(feature = "metrics")]
-    {
-        let name = "idempotency_swept_rows_total";
-        metrics::describe_counter!(name, "expired Postgres rows the sweeper deleted");
-        metrics::counter!(name).increment(0);
-    }
-}
-
-/// A client retried a logical call (`idempotency_client_retries_total`).
-#[cfg(feature = "client")]
-pub(crate) fn client_retry() {
-    count("idempotency_client_retries_total");
-}
-
-/// A client's retry refused by its budget (`idempotency_client_retries_denied_total`).
-#[cfg(feature = "client")]
-pub(crate) fn client_retry_denied() {
-    count("idempotency_client_retries_denied_total");
-}
 
 /// Where a layer's services record what they do: each event counted in the layer's
 /// [`Counters`] and, with the `metrics` feature, in the facade, labelled with the store kind.
@@ -669,47 +453,6 @@ pub(crate) fn front_skipped(skipped: bool) {
     metrics::gauge!("idempotency_front_breaker_open").set(if skipped { 1.0 } else { 0.0 });
     #[cfg(not(feature = "metrics"))]
     let _ = skipped;
-}
-
-/// A key or scope as logs show it: a pseudonym (`#` and 12 hex digits of its SHA-256), the same
-/// on every instance, so an operator can follow one key through the logs without the key (a
-/// customer's order number, a tenant's name) appearing in them. It is not encryption: a guessable
-/// key can be found by hashing guesses. [`IdempotencyLayer::with_clear_keys_in_logs`] shows them as
-/// they are.
-///
-/// [`IdempotencyLayer::with_clear_keys_in_logs`]: crate::IdempotencyLayer::with_clear_keys_in_logs
-pub(crate) struct Pseudonym<'a> {
-    pub(crate) value: &'a str,
-    pub(crate) clear: bool,
-}
-
-impl fmt::Display for Pseudonym<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.clear {
-            return f.write_str(self.value);
-        }
-        let digest = Sha256::digest(self.value.as_bytes());
-        f.write_str("#")?;
-        digest[..6].iter().try_for_each(|b| write!(f, "{b:02x}"))
-    }
-}
-
-/// A record's scope and key as logs show them.
-pub(crate) struct ShownRecord<'a> {
-    pub(crate) scope: Pseudonym<'a>,
-    pub(crate) key: Pseudonym<'a>,
-}
-
-impl fmt::Display for ShownRecord<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "scope {} key {}", self.scope, self.key)
-    }
-}
-
-impl fmt::Debug for Pseudonym<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(self, f)
-    }
 }
 
 #[cfg(test)]
