@@ -278,3 +278,69 @@ async fn the_doctor_command_exits_non_zero_only_when_a_guarantee_is_at_risk() {
     assert!(report.contains("worst: risk"));
     schema.drop().await;
 }
+
+/// The `command` list of a service in `docker-compose.yml`, as written on one line.
+fn compose_command(compose: &str, service: &str) -> Vec<String> {
+    let section = compose
+        .split(&format!("\n  {service}:\n"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no {service} service"));
+    let after = section.split("command:").nth(1).expect("a command");
+    let list = after.split('[').nth(1).unwrap().split(']').next().unwrap();
+    list.split(',')
+        .map(|word| word.trim().trim_matches('"').to_owned())
+        .collect()
+}
+
+/// The servers `docker-compose.yml` starts for users pass the doctor, and its Postgres is the
+/// major version CI tests. It had no session timeouts and Redis' defaults (two risks), and
+/// Postgres 16 against CI's 15.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_compose_files_servers_pass_the_doctor() {
+    let compose =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docker-compose.yml"))
+            .unwrap();
+    let redis_args = compose_command(&compose, "redis");
+    assert_eq!(redis_args[0], "redis-server");
+    let args: Vec<&str> = redis_args[1..].iter().map(String::as_str).collect();
+    let redis = RedisServer::start_with(&args).await;
+    // The compose file's server settings (`-c name=value`), here as the session's.
+    let postgres_args = compose_command(&compose, "postgres");
+    let schema = TestSchema::new().await;
+    let mut url = url_in_schema(&database_url(), &schema.name);
+    for setting in postgres_args
+        .iter()
+        .skip_while(|a| *a != "-c")
+        .skip(1)
+        .step_by(2)
+    {
+        let (name, value) = setting.split_once('=').unwrap();
+        url.push_str(&format!("&options[{name}]={value}"));
+    }
+    let migrated = PostgresStore::new(sqlx::PgPool::connect(&url).await.unwrap());
+    migrated.migrate().await.unwrap();
+    let (passed, report) = doctor(&[("DATABASE_URL", url), ("REDIS_URL", redis.url())]);
+    println!("{report}");
+    assert!(passed, "{report}");
+    assert!(
+        report
+            .lines()
+            .all(|line| line.starts_with("ok ") || line == "worst: ok"),
+        "{report}"
+    );
+    let image = compose
+        .split("image: postgres:")
+        .nth(1)
+        .and_then(|rest| rest.lines().next())
+        .unwrap();
+    let tested: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
+        .fetch_one(migrated.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        image.trim(),
+        (tested / 10000).to_string(),
+        "Postgres in compose vs CI"
+    );
+    schema.drop().await;
+}

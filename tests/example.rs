@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use http::{Method, StatusCode};
 use support::{
-    MockProvider, Proc, ProviderFault, RedisServer, TestSchema, database_url, post_json, send,
-    url_in_schema,
+    MockProvider, Proc, ProviderFault, RedisServer, TestSchema, database_url, free_port, post_json,
+    send, url_in_schema,
 };
 
 const PAYMENT: &str = r#"{"amount_cents": 4900, "currency": "usd", "customer": "cus_1"}"#;
@@ -438,5 +438,50 @@ async fn admin_inspect_fails_when_a_tier_cannot_be_read() {
     assert!(stdout.contains("postgres  (nothing)"), "{stdout}{stderr}");
     assert!(!output.status.success(), "{stdout}{stderr}");
     assert!(stderr.contains("1 of 2 tiers"), "{stderr}");
+    schema.drop().await;
+}
+
+/// A store that cannot serve at all stops the example at start, with the finding and the
+/// variables to look at: a Redis refusing connections, or one wanting a password. Before, it
+/// served, and answered every guarded request 503. The same Redis in front of Postgres is only a
+/// warning: requests go on through Postgres.
+#[tokio::test]
+async fn a_store_that_cannot_serve_stops_the_example_at_start() {
+    let guarded = RedisServer::start_with(&["--requirepass", "s3cret"]).await;
+    for (redis, why) in [
+        ("redis://127.0.0.1:1".to_owned(), "refused"),
+        (guarded.url(), "NOAUTH"),
+    ] {
+        let output = tokio::time::timeout(
+            Duration::from_secs(20),
+            tokio::process::Command::from(support::example_command(
+                "payments",
+                &[("REDIS_URL", redis), ("PORT", free_port().to_string())],
+            ))
+            .output(),
+        )
+        .await
+        .expect("the example went on serving")
+        .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{why}: it started");
+        assert!(stderr.contains("start-up check"), "{why}: {stderr}");
+        assert!(stderr.contains("REDIS_URL"), "{why}: {stderr}");
+        assert!(stderr.contains("reachable"), "{why}: {stderr}");
+        assert!(
+            stderr.to_lowercase().contains(&why.to_lowercase()),
+            "{why}: {stderr}"
+        );
+    }
+    let schema = TestSchema::new().await;
+    let tiered = Proc::example(
+        "payments",
+        &[
+            ("DATABASE_URL", url_in_schema(&database_url(), &schema.name)),
+            ("REDIS_URL", "redis://127.0.0.1:1".to_owned()),
+        ],
+    )
+    .await;
+    drop(tiered);
     schema.drop().await;
 }

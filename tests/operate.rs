@@ -712,3 +712,52 @@ fn the_breaker_gauge_falls_back_when_the_cooldown_ends_on_an_idle_instance() {
         assert!(!store.front_skipped());
     });
 }
+
+/// A store failure on the request path says what happened: a Redis that refuses connections is
+/// "refused", one that wants a password "NOAUTH", one that is frozen a timeout. Each answers 503
+/// and logs the error with its cause.
+#[test]
+fn a_store_failure_on_the_request_path_says_refused_unauthenticated_or_silent() {
+    let cases: [(&str, &str); 3] = [
+        ("refused", "refused"),
+        ("unauthenticated", "NOAUTH"),
+        ("frozen", "did not answer within"),
+    ];
+    for (case, expected) in cases {
+        let capture = Capture::default();
+        observed(&capture, |_| async move {
+            let mut server = match case {
+                "unauthenticated" => {
+                    Some(RedisServer::start_with(&["--requirepass", "s3cret"]).await)
+                }
+                "frozen" => Some(RedisServer::start().await),
+                _ => None,
+            };
+            let url = server
+                .as_ref()
+                .map_or("redis://127.0.0.1:1".to_owned(), |s| s.url());
+            if case == "frozen" {
+                server.as_mut().unwrap().pause();
+            }
+            let store = RedisStore::open(&url)
+                .unwrap()
+                .with_timeout(Duration::from_millis(200));
+            let app = app(IdempotencyLayer::new(store));
+            let answer = call(&app, pay("k-fail", "{}")).await;
+            if case == "frozen" {
+                server.as_mut().unwrap().resume();
+            }
+            assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{case}");
+        });
+        let logged = capture
+            .events()
+            .into_iter()
+            .find(|e| e.fields.contains_key("error"))
+            .unwrap_or_else(|| panic!("{case}: the failure was not logged"));
+        assert!(
+            logged.fields["error"].contains(expected),
+            "{case}: {:?}",
+            logged.fields["error"]
+        );
+    }
+}

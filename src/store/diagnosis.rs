@@ -105,6 +105,42 @@ impl Diagnosis {
         self.worst() == Severity::Risk
     }
 
+    /// Whether the store can serve requests at all: `Err` with the findings that say it cannot
+    /// (a server it cannot reach, a schema it needs that is missing or behind, a cluster with
+    /// slots nobody serves), each naming what to fix. What only puts a guarantee at risk is left
+    /// to [`at_risk`](Self::at_risk) and the operator.
+    ///
+    /// Call it at start-up, so that a wrong URL, a missing password or a database never
+    /// migrated stops the process with a clear error instead of answering every request 503:
+    ///
+    /// ```no_run
+    /// use tower_idempotency::store::{PostgresStore, Severity, Store};
+    ///
+    /// # async fn start(store: PostgresStore) {
+    /// let diagnosis = store.diagnose().await;
+    /// for finding in diagnosis.findings.iter().filter(|f| f.severity != Severity::Ok) {
+    ///     tracing::warn!("{finding}");
+    /// }
+    /// if let Err(error) = diagnosis.ready() {
+    ///     eprintln!("{error}");
+    ///     std::process::exit(1);
+    /// }
+    /// # }
+    /// ```
+    pub fn ready(&self) -> Result<(), NotReady> {
+        let blocking: Vec<Finding> = self
+            .findings
+            .iter()
+            .filter(|f| f.severity == Severity::Risk && BLOCKING.contains(&f.check))
+            .cloned()
+            .collect();
+        if blocking.is_empty() {
+            Ok(())
+        } else {
+            Err(NotReady { findings: blocking })
+        }
+    }
+
     /// The findings of `check`.
     pub fn of(&self, check: &str) -> impl Iterator<Item = &Finding> {
         self.findings.iter().filter(move |f| f.check == check)
@@ -120,6 +156,19 @@ impl Diagnosis {
         self.findings
             .push(Finding::new(severity, store, check, message));
     }
+}
+
+/// The checks whose risk means no request can be served: the others put a guarantee at risk.
+const BLOCKING: [&str; 3] = ["reachable", "migrations", "cluster"];
+
+/// A store that cannot serve requests at all, from [`Diagnosis::ready`]: the findings that say
+/// why, each with what to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the idempotency store cannot serve requests:\n{}", Diagnosis { findings: self.findings.clone() })]
+#[non_exhaustive]
+pub struct NotReady {
+    /// What stops it.
+    pub findings: Vec<Finding>,
 }
 
 /// A line per finding.

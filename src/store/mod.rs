@@ -54,7 +54,7 @@ mod postgres;
 mod redis;
 mod tiered;
 
-pub use diagnosis::{Diagnosis, Finding, Severity};
+pub use diagnosis::{Diagnosis, Finding, NotReady, Severity};
 pub use memory::{DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MAX_ENTRIES, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use postgres::{

@@ -291,7 +291,19 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
                 }
             }
             findings.extend(authority.findings);
-            Diagnosis { findings }
+            // The tiers' own policies give way to the pair's.
+            findings.retain(|finding| finding.check != "failure-policy");
+            let (front, authority) = (self.front.kind(), self.authority.kind());
+            let policy = format!(
+                "{front} down or slow: requests go on through {authority} alone, and {front} is \
+                 skipped for {:?} after a failure; {authority} down: guarded requests answer 503 \
+                 with Retry-After and no handler runs, while keys {front} holds completed are \
+                 still replayed",
+                self.breaker.cooldown
+            );
+            let mut diagnosis = Diagnosis { findings };
+            diagnosis.push(Severity::Ok, "tiered", "failure-policy", policy);
+            diagnosis
         })
     }
 

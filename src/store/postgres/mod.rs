@@ -24,7 +24,7 @@ pub use self::{
 };
 use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
-    RecordState, Store, StoreError,
+    RecordState, Severity, Store, StoreError,
 };
 use crate::StoredResponse;
 
@@ -401,7 +401,17 @@ impl Store for PostgresStore {
     }
 
     fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
-        Box::pin(self.diagnosis())
+        Box::pin(async move {
+            let mut diagnosis = self.diagnosis().await;
+            let policy = format!(
+                "while Postgres cannot be reached, has no connection free or is slower than the \
+                 store's timeout ({:?}), guarded requests answer 503 with Retry-After and no \
+                 handler runs",
+                self.timeout
+            );
+            diagnosis.push(Severity::Ok, STORE, "failure-policy", policy);
+            diagnosis
+        })
     }
 
     fn inspect<'a>(

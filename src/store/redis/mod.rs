@@ -24,7 +24,7 @@ use self::{
 };
 use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
-    RecordState, Store, StoreError,
+    RecordState, Severity, Store, StoreError,
 };
 use crate::StoredResponse;
 
@@ -190,7 +190,11 @@ impl RedisStore {
     }
 
     fn manager(client: &Client, timeout: Duration) -> Result<ConnectionManager, RedisError> {
+        // One attempt per connection: the store's timeout bounds each call, and retries inside
+        // it would turn a refused connection or a refused password into "did not answer in
+        // time". A call that meets a dead connection fails, and the next one connects afresh.
         let config = ConnectionManagerConfig::new()
+            .set_number_of_retries(0)
             .set_response_timeout(Some(timeout))
             .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
             .set_max_delay(Duration::from_secs(2));
@@ -404,7 +408,16 @@ impl Store for RedisStore {
     }
 
     fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
-        Box::pin(self.diagnosis())
+        Box::pin(async move {
+            let mut diagnosis = self.diagnosis().await;
+            let policy = format!(
+                "while Redis cannot be reached or is slower than the store's timeout ({:?}), \
+                 guarded requests answer 503 with Retry-After and no handler runs",
+                self.timeout
+            );
+            diagnosis.push(Severity::Ok, STORE, "failure-policy", policy);
+            diagnosis
+        })
     }
 
     fn inspect<'a>(
