@@ -47,6 +47,13 @@ pub(crate) async fn measure_floors(
             store_floor(Arc::new(store), tasks, seconds).await,
         ));
     }
+    if options.only.iter().any(|s| s == "postgres-single") {
+        let store = postgres_store(database_url, schema).await.with_max_batch(1);
+        floors.push((
+            "postgres-single",
+            store_floor(Arc::new(store), tasks, seconds).await,
+        ));
+    }
     if options.only.iter().any(|s| s == "postgres-partitioned") {
         let store = postgres_store(database_url, &partitioned(schema)).await;
         floors.push((

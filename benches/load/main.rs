@@ -58,7 +58,7 @@ use tower_idempotency::{
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 12] = [
+const SETUPS: [&str; 13] = [
     "bare",
     "memory",
     "naive",
@@ -67,6 +67,7 @@ const SETUPS: [&str; 12] = [
     "naive-valkey",
     "valkey",
     "postgres",
+    "postgres-single",
     "postgres-partitioned",
     "tiered",
     "memory-1mib",

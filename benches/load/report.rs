@@ -107,6 +107,7 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
     }
     for setup in [
         "postgres",
+        "postgres-single",
         "postgres-partitioned",
         "tiered",
         "redis",
@@ -120,6 +121,19 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
                 median(per_round)
             );
         }
+    }
+    if let (Some(x), Some(y)) = (get("postgres", "fresh"), get("postgres-single", "fresh")) {
+        println!(
+            "- fresh keys, claims and completions in batches vs each on its own: {:.2}×",
+            ratio(x, y)
+        );
+    }
+    if let (Some(x), Some(y)) = (floors.get("postgres"), floors.get("postgres-single")) {
+        let per_round = x.iter().zip(y).map(|(x, y)| x / y).collect();
+        println!(
+            "- claim + complete floor, in batches vs each on its own: {:.2}×",
+            median(per_round)
+        );
     }
     if let (Some(x), Some(y)) = (
         get("postgres-partitioned", "fresh"),

@@ -55,6 +55,12 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
                 "valkey" => layered(Arc::new(redis_store(&valkey_url, &prefix))),
                 "redis-cluster" => layered(Arc::new(cluster_store(&cluster, &prefix))),
                 "postgres" => layered(Arc::new(postgres_store(&database_url, &schema).await)),
+                // Each completion on its own statement: the store before batches.
+                "postgres-single" => layered(Arc::new(
+                    postgres_store(&database_url, &schema)
+                        .await
+                        .with_max_batch(1),
+                )),
                 "postgres-partitioned" => layered(Arc::new(
                     postgres_store(&database_url, &partitioned(&schema)).await,
                 )),

@@ -73,12 +73,17 @@ pub(crate) async fn check_store(store: &dyn Store) {
 
 /// The Postgres store on `url`, migrated, with the example's table and a sweeper.
 async fn postgres_store(url: &str) -> PostgresStore {
+    // The connection budget: at most 4 + 6 + 4 = 14 connections per instance (the pool for the
+    // payment's own transactions, the store's, its renewals'), so that four instances and a
+    // client fit a stock max_connections = 100 with room to spare.
     let pool = PgPoolOptions::new()
-        .max_connections(16)
+        .max_connections(4)
         .acquire_timeout(Duration::from_secs(2))
         .connect_lazy(url)
         .unwrap_or_else(|e| fail("DATABASE_URL", e));
-    let store = PostgresStore::new(pool.clone()).with_timeout(Duration::from_secs(3));
+    let store = PostgresStore::new(pool.clone())
+        .with_timeout(Duration::from_secs(3))
+        .with_max_connections(6);
     store
         .migrate()
         .await

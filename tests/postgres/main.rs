@@ -154,6 +154,7 @@ async fn named_pool(schema: &TestSchema, prefix: &str) -> (PgPool, String) {
     (pool, application)
 }
 
+mod batches;
 mod fence;
 mod recovery;
 mod partitioning;

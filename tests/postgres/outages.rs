@@ -357,3 +357,54 @@ async fn a_postgres_failover_under_load_runs_nothing_twice_and_503s_end_when_it_
     println!("postgres failed over under load: {seen:?}");
     assert_once_each(&seen, &runs);
 }
+
+/// A server with every connection slot taken by other processes ("too many clients") is
+/// backpressure: a claim waits for a slot, within the store's timeout, and acquires once one is
+/// free. It failed at once with "sorry, too many clients already", answered 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_out_of_connections_is_waited_for_within_the_timeout() {
+    use sqlx::Connection;
+    let mut cluster = PgCluster::start().await;
+    let mut admin = sqlx::PgConnection::connect(&cluster.url()).await.unwrap();
+    for setting in [
+        "ALTER SYSTEM SET max_connections = 6",
+        "ALTER SYSTEM SET superuser_reserved_connections = 0",
+    ] {
+        sqlx::query(setting).execute(&mut admin).await.unwrap();
+    }
+    drop(admin);
+    cluster.restart_server().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool)
+        .with_timeout(Duration::from_secs(5))
+        .with_max_connections(2);
+    store.migrate().await.unwrap();
+    // Every other slot taken, as by other instances of the application.
+    let mut others = Vec::new();
+    while let Ok(connection) = sqlx::PgConnection::connect(&cluster.url()).await {
+        others.push(connection);
+    }
+    assert!(!others.is_empty(), "the server took every connection");
+    let claim = tokio::spawn({
+        let store = store.clone();
+        async move {
+            let started = Instant::now();
+            let outcome = store.claim(&claim_request("k-crowded", LONG)).await;
+            (outcome, started.elapsed())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!claim.is_finished(), "the claim did not wait for a slot");
+    drop(others.pop());
+    let (outcome, waited) = claim.await.unwrap();
+    assert!(
+        matches!(outcome, Ok(ClaimOutcome::Acquired { .. })),
+        "{outcome:?}"
+    );
+    assert!(waited >= Duration::from_millis(500), "{waited:?}");
+    drop(others);
+}

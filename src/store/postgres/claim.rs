@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use sqlx::{Connection, PgConnection, Row, postgres::PgRow};
 
-use super::{LOCKED_RETRY, PostgresStore, STORE, backend, millis, sql::*};
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+use super::{LOCKED_RETRY, PostgresStore, STORE, backend, batch::SendBatch, millis, sql::*};
 use crate::{
     StoredResponse,
     store::{BoxError, ClaimOutcome, ClaimRequest, RecordKey, StoreError},
@@ -17,52 +20,170 @@ use crate::{
 /// gave up, however long the message took to reach the server.
 const SEND_MARGIN: Duration = Duration::from_millis(5);
 
+/// A claim waiting for a lane: what the statement binds, and where its answer goes.
+pub(super) struct Queued {
+    record: RecordKey,
+    fingerprint: [u8; 32],
+    owner: Uuid,
+    lease: Duration,
+    /// When the caller's claim started: the insert happens only within its time.
+    started: Instant,
+    answer: oneshot::Sender<Result<Claimed, StoreError>>,
+}
+
+impl std::fmt::Debug for Queued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queued")
+            .field("owner", &self.owner)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What one round of a claim found.
+#[derive(Debug)]
+pub(super) enum Claimed {
+    Outcome(ClaimOutcome),
+    /// A row the claim must settle under its lock (expired, or committed with its lease lapsed).
+    Settle,
+    /// No row: a competing claim committed after the statement's snapshot, or the connection
+    /// was gone. Read again.
+    Again,
+}
+
 impl PostgresStore {
-    /// One round of a claim: `None` when a competing claim committed between snapshots and the
-    /// row must be read again.
-    pub(super) async fn claim_once(
+    /// One round of a claim, through the claims' lanes: sent alone when a lane is free, with
+    /// the claims queued meanwhile otherwise.
+    pub(super) async fn claim_round(
         &self,
         request: &ClaimRequest,
         started: Instant,
-    ) -> Result<Option<ClaimOutcome>, StoreError> {
-        let record = request.record();
-        let mut connection = self.connections.lend().await.map_err(backend)?;
-        // What is left of the caller's time once a connection is in hand, less a margin for the
-        // message's way to the server: the server inserts only within it.
-        let left = self
-            .timeout
-            .checked_sub(started.elapsed() + SEND_MARGIN)
-            .ok_or_else(|| self.timed_out())?;
-        let row = sqlx::query(CLAIM)
-            .bind(record.scope())
-            .bind(record.key().as_str())
-            .bind(&request.fingerprint().as_bytes()[..])
-            .bind(request.owner())
-            .bind(millis(request.lease()))
-            .bind(millis(left))
-            .fetch_optional(&mut *connection)
-            .await;
-        if connection.give_back(&row) {
-            // The connection was gone: another round, on a fresh one.
-            return Ok(None);
-        }
-        let row = row.map_err(|e| self.failed(e))?;
-        let Some(row) = row else {
-            // A competing claim committed after this statement's snapshot (or the statement ran
-            // past the caller's time and inserted nothing): look again.
-            return Ok(None);
+    ) -> Result<Claimed, StoreError> {
+        let (answer, answered) = oneshot::channel();
+        let queued = Queued {
+            record: request.record().clone(),
+            fingerprint: *request.fingerprint().as_bytes(),
+            owner: request.owner(),
+            lease: request.lease(),
+            started,
+            answer,
         };
-        match read_claim(&row, record)? {
-            Some(outcome) => Ok(Some(outcome)),
-            None => self.settle(request).await,
+        let send: SendBatch<Queued> = |store, batch| Box::pin(store.send_claims(batch));
+        self.claims.push(self, queued, send);
+        answered.await.unwrap_or_else(|_| {
+            Err(StoreError::backend(
+                STORE,
+                "its batch was dropped unanswered",
+            ))
+        })
+    }
+
+    /// One batch of claims. A batch that fails is sent again claim by claim, so that whatever
+    /// failed it fails only its own claim.
+    async fn send_claims(&self, batch: Vec<Queued>) {
+        if batch.len() > 1 {
+            tracing::debug!(claims = batch.len(), "claims sent together");
         }
+        let answers = match self.claim_rows(&batch).await {
+            Ok(answers) => answers,
+            Err(error) if batch.len() == 1 => vec![Err(error)],
+            Err(_) => {
+                let mut answers = Vec::with_capacity(batch.len());
+                for queued in &batch {
+                    let answer = self.claim_rows(std::slice::from_ref(queued)).await;
+                    answers.push(answer.and_then(|mut one| one.pop().expect("one answer")));
+                }
+                answers
+            }
+        };
+        for (queued, answer) in batch.into_iter().zip(answers) {
+            let _ = queued.answer.send(answer);
+        }
+    }
+
+    /// [`CLAIM_MANY`] for `batch`: an answer per claim, in order. A claim whose caller's time is
+    /// up by the time a connection is in hand is not sent: it times out.
+    async fn claim_rows(
+        &self,
+        batch: &[Queued],
+    ) -> Result<Vec<Result<Claimed, StoreError>>, StoreError> {
+        let mut connection = self.connections.lend().await.map_err(backend)?;
+        // What is left of each caller's time once a connection is in hand, less a margin for
+        // the message's way to the server: the server inserts only within it.
+        let left: Vec<Option<Duration>> = batch
+            .iter()
+            .map(|q| self.timeout.checked_sub(q.started.elapsed() + SEND_MARGIN))
+            .collect();
+        let sent: Vec<(usize, &Queued, Duration)> = (0..batch.len())
+            .filter_map(|i| Some((i, &batch[i], left[i]?)))
+            .collect();
+        let mut answers: Vec<Result<Claimed, StoreError>> =
+            batch.iter().map(|_| Err(self.timed_out())).collect();
+        if sent.is_empty() {
+            connection.give_back(&Ok::<(), sqlx::Error>(()));
+            return Ok(answers);
+        }
+        let rows = sqlx::query(CLAIM_MANY)
+            .bind(
+                sent.iter()
+                    .map(|(_, q, _)| q.record.scope())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sent.iter()
+                    .map(|(_, q, _)| q.record.key().as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sent.iter()
+                    .map(|(_, q, _)| &q.fingerprint[..])
+                    .collect::<Vec<_>>(),
+            )
+            .bind(sent.iter().map(|(_, q, _)| q.owner).collect::<Vec<_>>())
+            .bind(
+                sent.iter()
+                    .map(|(_, q, _)| millis(q.lease))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sent.iter()
+                    .map(|(_, _, left)| millis(*left))
+                    .collect::<Vec<_>>(),
+            )
+            .fetch_all(&mut *connection)
+            .await;
+        if connection.give_back(&rows) {
+            // The connection was gone: another round, on a fresh one.
+            for (i, _, _) in &sent {
+                answers[*i] = Ok(Claimed::Again);
+            }
+            return Ok(answers);
+        }
+        let rows = rows.map_err(|e| self.failed(e))?;
+        for (i, _, _) in &sent {
+            answers[*i] = Ok(Claimed::Again);
+        }
+        for row in rows {
+            let n: i64 = row.try_get("n").map_err(backend)?;
+            let (i, queued, _) = usize::try_from(n - 1)
+                .ok()
+                .and_then(|n| sent.get(n))
+                .ok_or_else(|| backend(sqlx::Error::RowNotFound))?;
+            answers[*i] = read_claim(&row, &queued.record).map(|outcome| match outcome {
+                Some(outcome) => Claimed::Outcome(outcome),
+                None => Claimed::Settle,
+            });
+        }
+        Ok(answers)
     }
 
     /// Settles a row the common path could not, under its row lock: takes over an expired row,
     /// or gives the owner of a committed key whose lease lapsed a grace of half a lease to
     /// renew. A row another transaction holds is in flight: its holder is alive. `None` when
     /// the row changed meanwhile and must be read again.
-    async fn settle(&self, request: &ClaimRequest) -> Result<Option<ClaimOutcome>, StoreError> {
+    pub(super) async fn settle(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
         let mut connection = self.connections.lend().await.map_err(backend)?;
         let settled = settle(&mut connection, request).await;
         if connection.give_back(&settled) {
@@ -72,7 +193,7 @@ impl PostgresStore {
     }
 }
 
-/// What a row of [`CLAIM`] says: the outcome, or `None` for a row the claim must settle under
+/// What a row of [`CLAIM_MANY`] says: the outcome, or `None` for a row the claim must settle under
 /// its lock (expired, or committed with its lease lapsed).
 fn read_claim(row: &PgRow, record: &RecordKey) -> Result<Option<ClaimOutcome>, StoreError> {
     let corrupt = |source: BoxError| StoreError::corrupt(STORE, record, source);

@@ -77,7 +77,7 @@ impl Connections {
             .expect("the semaphore is never closed");
         let (connection, reused) = match self.take_idle().await {
             Some(connection) => (connection, true),
-            None => (PgConnection::connect_with(&self.options).await?, false),
+            None => self.connect().await?,
         };
         Ok(Lent {
             connections: self,
@@ -85,6 +85,26 @@ impl Connections {
             reused,
             _permit: permit,
         })
+    }
+
+    /// A new connection. A server with no connection slot free ("too many clients", SQLSTATE
+    /// 53300: other processes hold them all) is backpressure, not a failure: the connection is
+    /// tried again, after a pause that doubles from 10 ms to 200 ms, until the caller's timeout
+    /// ends the wait; a connection of the store's own given back meanwhile is taken instead.
+    async fn connect(&self) -> Result<(PgConnection, bool), sqlx::Error> {
+        let mut pause = Duration::from_millis(10);
+        loop {
+            match PgConnection::connect_with(&self.options).await {
+                Err(error) if too_many_clients(&error) => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(200));
+                    if let Some(connection) = self.take_idle().await {
+                        return Ok((connection, true));
+                    }
+                }
+                connected => return connected.map(|connection| (connection, false)),
+            }
+        }
     }
 
     /// The most recently used idle connection, checked first if it idled for long.
@@ -145,6 +165,11 @@ impl std::ops::DerefMut for Lent<'_> {
     fn deref_mut(&mut self) -> &mut PgConnection {
         self.connection.as_mut().expect("lent until given back")
     }
+}
+
+/// Whether connecting failed because the server had no connection slot free.
+fn too_many_clients(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(error) if error.code().as_deref() == Some("53300"))
 }
 
 /// Whether a connection is still in step with the server after this error: a database error

@@ -32,6 +32,8 @@ impl PostgresStore {
         diagnosis.push(severity, STORE, "migrations", message);
         let (severity, message) = self.commit_durability().await.unwrap_or_else(could_not);
         diagnosis.push(severity, STORE, "synchronous_commit", message);
+        let (severity, message) = self.connection_headroom().await.unwrap_or_else(could_not);
+        diagnosis.push(severity, STORE, "connections", message);
         for (check, setting, severity_if_off, why) in TIMEOUTS {
             let (severity, message) = self
                 .timeout_setting(setting, severity_if_off, why)
@@ -128,6 +130,41 @@ impl PostgresStore {
         let commit: String = row.try_get(0).map_err(super::backend)?;
         let standbys: String = row.try_get(1).map_err(super::backend)?;
         Ok(synchronous_commit(&commit, &standbys))
+    }
+
+    /// The server's connection slots against what this process may open: the store's own, its
+    /// renewals' (per layer) and the pool's. Short of them, connections are waited for (a
+    /// server out of slots is backpressure), but every instance that shares the server waits.
+    async fn connection_headroom(&self) -> Result<(Severity, String), StoreError> {
+        let query = sqlx::query(
+            "SELECT current_setting('max_connections')::int8, \
+                    current_setting('superuser_reserved_connections')::int8, \
+                    (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')",
+        );
+        let row = self.bounded(query.fetch_one(&self.pool)).await?;
+        let max: i64 = row.try_get(0).map_err(super::backend)?;
+        let reserved: i64 = row.try_get(1).map_err(super::backend)?;
+        let used: i64 = row.try_get(2).map_err(super::backend)?;
+        let pool = self.pool.options().get_max_connections() as usize;
+        let own = self.max_connections + super::RENEWAL_CONNECTIONS;
+        let budget = own + pool;
+        let free = max - reserved - used;
+        let message = format!(
+            "{used} of {max} in use ({reserved} reserved for superusers), {free} free; this \
+             process opens up to {budget}: the store {}, its renewals {} per layer, the pool \
+             {pool}",
+            self.max_connections,
+            super::RENEWAL_CONNECTIONS,
+        );
+        Ok(if free < i64::try_from(own).unwrap_or(i64::MAX) {
+            let advice = "connections are waited for, not refused, but every instance sharing \
+                          the server waits: raise max_connections, or lower the store's \
+                          (with_max_connections) and the pool's";
+            let short = format!("{message}: fewer free than the store alone may open; {advice}");
+            (Severity::Warning, short)
+        } else {
+            (Severity::Ok, message)
+        })
     }
 
     /// A session timeout of the application's pool, where zero means none.

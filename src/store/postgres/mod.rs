@@ -1,5 +1,6 @@
 //! The Postgres store: the source of truth, a row per key behind a primary key.
 
+mod batch;
 mod claim;
 mod connections;
 mod diagnose;
@@ -17,7 +18,12 @@ use sqlx::{PgConnection, PgPool, Row, postgres::PgRow};
 use tokio::task::JoinHandle;
 
 pub(crate) use self::fence::{advance, commit, recovery_point};
-use self::{claim::column_millis, connections::Connections, sql::*};
+use self::{
+    batch::{Batches, Completion},
+    claim::column_millis,
+    connections::Connections,
+    sql::*,
+};
 pub use self::{
     fence::{FenceError, RecoveryPoint},
     migrations::{MIGRATOR, PARTITION_BY_HASH},
@@ -33,6 +39,9 @@ pub const DEFAULT_POSTGRES_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The default number of connections the store opens for its own statements.
 pub const DEFAULT_POSTGRES_CONNECTIONS: usize = 16;
+
+/// Claims, or completions, one statement carries at most, by default.
+pub const DEFAULT_POSTGRES_BATCH: usize = 64;
 
 /// Rows the sweeper deletes per statement, by default.
 pub const DEFAULT_SWEEP_BATCH: i64 = 500;
@@ -78,6 +87,10 @@ pub struct PostgresStore {
     max_connections: usize,
     timeout: Duration,
     sweep_batch: i64,
+    max_batch: usize,
+    /// Completions and claims waiting for a lane, shared by the store's clones.
+    completions: Arc<Batches<Completion>>,
+    claims: Arc<Batches<claim::Queued>>,
 }
 
 /// The connections of a store detached for renewals ([`Store::detached`]): renewals are short,
@@ -121,6 +134,9 @@ impl PostgresStore {
             max_connections: DEFAULT_POSTGRES_CONNECTIONS,
             timeout: DEFAULT_POSTGRES_TIMEOUT,
             sweep_batch: DEFAULT_SWEEP_BATCH,
+            max_batch: DEFAULT_POSTGRES_BATCH,
+            completions: Batches::new(DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_BATCH),
+            claims: Batches::new(DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_BATCH),
         }
     }
 
@@ -147,6 +163,18 @@ impl PostgresStore {
             self.max_connections,
             self.timeout,
         ));
+        self.completions = Batches::new(self.max_connections, self.max_batch);
+        self.claims = Batches::new(self.max_connections, self.max_batch);
+    }
+
+    /// How many claims, or completions, one statement carries at most (64 by default). Those
+    /// that arrive while the store's lanes for them (a quarter of its connections each) are all
+    /// sending go out together, one round trip and one commit for all of them; one that finds a
+    /// lane free goes out at once, alone. `1` sends each on its own statement.
+    pub fn with_max_batch(mut self, calls: usize) -> Self {
+        self.max_batch = calls.max(1);
+        self.reconnect();
+        self
     }
 
     /// How many rows one sweep statement deletes (500 by default): small batches keep locks and
@@ -268,8 +296,14 @@ impl Store for PostgresStore {
             let started = Instant::now();
             let rounds = async {
                 for _ in 0..CLAIM_ROUNDS {
-                    if let Some(outcome) = self.claim_once(request, started).await? {
-                        return Ok(outcome);
+                    match self.claim_round(request, started).await? {
+                        claim::Claimed::Outcome(outcome) => return Ok(outcome),
+                        claim::Claimed::Settle => {
+                            if let Some(outcome) = self.settle(request).await? {
+                                return Ok(outcome);
+                            }
+                        }
+                        claim::Claimed::Again => {}
                     }
                 }
                 Ok(ClaimOutcome::InFlight {
@@ -319,21 +353,26 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
             let record = lease.record();
-            let encoded = response.encode();
-            let updated = self
-                .on_connection(async |connection| {
-                    sqlx::query(COMPLETE)
-                        .bind(record.scope())
-                        .bind(record.key().as_str())
-                        .bind(lease.owner())
-                        .bind(response.status().as_u16() as i16)
-                        .bind(&encoded[..])
-                        .bind(millis(retention))
-                        .execute(connection)
-                        .await
-                })
-                .await?;
-            Ok(held_if_one(updated.rows_affected()))
+            let (answer, answered) = tokio::sync::oneshot::channel();
+            self.enqueue_completion(Completion {
+                scope: record.scope().to_owned(),
+                key: record.key().as_str().to_owned(),
+                owner: lease.owner(),
+                status: response.status().as_u16() as i16,
+                response: response.encode().to_vec(),
+                retention_ms: millis(retention),
+                answer,
+            });
+            // The bound covers the wait for a lane too; a completion the caller gave up on may
+            // still be sent, owner-checked, as a single one whose answer was lost could be.
+            match tokio::time::timeout(self.timeout, answered).await {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(_)) => Err(StoreError::backend(
+                    STORE,
+                    "its batch was dropped unanswered",
+                )),
+                Err(_) => Err(self.timed_out()),
+            }
         })
     }
 
@@ -396,6 +435,8 @@ impl Store for PostgresStore {
         Some(Arc::new(Self {
             connections: Arc::new(connections),
             max_connections: RENEWAL_CONNECTIONS,
+            completions: Batches::new(RENEWAL_CONNECTIONS, self.max_batch),
+            claims: Batches::new(RENEWAL_CONNECTIONS, self.max_batch),
             ..self.clone()
         }))
     }

@@ -1,45 +1,53 @@
 //! The statements of the Postgres store.
 
-/// The claim's common path, one round trip: insert the key if there is no row, or say what the
-/// row there is. Rows that need more (an expired row to take over, a committed key whose lease
-/// lapsed) are settled by [`PostgresStore::settle`] under a row lock.
+/// The claim's common path, one round trip for every claim of a batch (`batch.rs`; a lone
+/// claim is a batch of one): insert the key if there is no row, or say what the row there is.
+/// Rows that need more (an expired row to take over, a committed key whose lease lapsed) are
+/// settled by `PostgresStore::settle` under a row lock.
 ///
-/// $1 scope, $2 key, $3 fingerprint, $4 owner, $5 lease (ms), $6 what is left of the caller's
-/// time (ms): the insert happens only within it, measured on the server's clock from the start
-/// of the statement's transaction (`now()`, taken before any lock wait; `statement_timestamp()`
-/// would be the time the server got round to reading the message), so a claim the caller gave
-/// up on (say it waited on a lock) never acquires later.
-pub(super) const CLAIM: &str = r"
-WITH cur AS (
-    SELECT state, fingerprint = $3 AS same, response, suspect, owner = $4 AS mine, fence,
-           lease_until > now() AS leased, expires_at > now() AS live,
-           recovery_point IS NOT NULL AS resumable,
-           ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
-           ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms
-    FROM idempotency_keys
-    WHERE scope = $1 AND key = $2
+/// $1 scopes, $2 keys, $3 fingerprints, $4 owners, $5 leases (ms), $6 what is left of each
+/// caller's time (ms), one element per claim: an insert happens only within its caller's time,
+/// measured on the server's clock from the start of the statement's transaction (`now()`, taken
+/// before any lock wait), so a claim the caller gave up on (say it waited on a lock) never
+/// acquires later. A row per claim that has one, by its ordinal `n` (from 1); a claim without a
+/// row (a competing claim committed after the statement's snapshot, or the statement ran past
+/// its caller's time) is read again. Two claims of one key in a batch: one inserts, and the
+/// other, without a row, reads the key again.
+pub(super) const CLAIM_MANY: &str = r"
+WITH r AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::uuid[], $5::float8[],
+                         $6::float8[])
+        WITH ORDINALITY AS r(scope, key, fingerprint, owner, lease_ms, left_ms, n)
+),
+cur AS (
+    SELECT r.n, k.state, k.fingerprint = r.fingerprint AS same, k.response, k.suspect,
+           k.owner = r.owner AS mine, k.fence,
+           k.lease_until > now() AS leased, k.expires_at > now() AS live,
+           k.recovery_point IS NOT NULL AS resumable,
+           ceil(extract(epoch FROM k.lease_until - now()) * 1000)::int8 AS lease_ms,
+           ceil(extract(epoch FROM k.expires_at - now()) * 1000)::int8 AS expires_ms
+    FROM r JOIN idempotency_keys k ON k.scope = r.scope AND k.key = r.key
 ),
 claimed AS (
     INSERT INTO idempotency_keys
         (scope, key, fingerprint, state, owner, fence, lease_until, expires_at)
-    SELECT $1, $2, $3, 'in_flight', $4, nextval('idempotency_fence'),
-           now() + $5::float8 * interval '1 millisecond',
-           now() + $5::float8 * interval '1 millisecond'
-    WHERE NOT EXISTS (SELECT 1 FROM cur)
-      AND clock_timestamp() < now() + $6::float8 * interval '1 millisecond'
+    SELECT r.scope, r.key, r.fingerprint, 'in_flight', r.owner, nextval('idempotency_fence'),
+           now() + r.lease_ms * interval '1 millisecond',
+           now() + r.lease_ms * interval '1 millisecond'
+    FROM r
+    WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.n = r.n)
+      AND clock_timestamp() < now() + r.left_ms * interval '1 millisecond'
     ON CONFLICT (scope, key) DO NOTHING
-    RETURNING fence
+    RETURNING scope, key, owner, fence
 )
-SELECT 'acquired' AS verdict, fence, NULL::bytea AS response,
+SELECT r.n, 'acquired' AS verdict, c.fence, NULL::bytea AS response,
        NULL::int8 AS lease_ms, NULL::int8 AS expires_ms
-FROM claimed
+FROM claimed c JOIN r ON r.scope = c.scope AND r.key = c.key AND r.owner = c.owner
 UNION ALL
-SELECT CASE
-           -- This very claim, run again (its connection failed before it answered).
+SELECT n,
+       CASE
            WHEN mine AND state = 'in_flight' AND live THEN 'acquired'
-           -- Progress made for another request is not this one's to resume.
            WHEN state = 'in_flight' AND NOT leased AND resumable AND NOT same THEN 'mismatch'
-           -- An owner gone, with or without progress: take over (and resume).
            WHEN NOT live OR (state = 'in_flight' AND NOT leased) THEN 'expired'
            WHEN NOT same THEN 'mismatch'
            WHEN state = 'completed' OR response IS NOT NULL THEN 'completed'
@@ -134,6 +142,42 @@ SET state = 'completed',
     lease_until = now(),
     expires_at = now() + $6::float8 * interval '1 millisecond', updated_at = now()
 WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
+";
+
+/// [`COMPLETE`] for many keys at once (`batch.rs`): $1 scopes, $2 keys, $3 owners, $4 statuses,
+/// $5 responses, $6 retentions (ms), one element per completion. A row per completion, by its
+/// ordinal `n` (from 1): `completed`, or `owned` without being completed when another
+/// transaction held its row (skipped, not waited for), or neither when the owner lost it.
+pub(super) const COMPLETE_MANY: &str = r"
+WITH r AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[], $4::int2[], $5::bytea[], $6::float8[])
+        WITH ORDINALITY AS r(scope, key, owner, status, response, retention_ms, n)
+),
+target AS (
+    SELECT k.scope, k.key, r.n
+    FROM idempotency_keys k JOIN r ON k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
+    WHERE k.state IN ('in_flight', 'committed')
+    FOR UPDATE OF k SKIP LOCKED
+),
+done AS (
+    UPDATE idempotency_keys k
+    SET state = 'completed',
+        status = CASE WHEN k.state = 'committed' AND k.response IS NOT NULL
+                      THEN k.status ELSE r.status END,
+        response = CASE WHEN k.state = 'committed' AND k.response IS NOT NULL
+                        THEN k.response ELSE r.response END,
+        lease_until = now(),
+        expires_at = now() + r.retention_ms * interval '1 millisecond', updated_at = now()
+    FROM target t JOIN r ON r.n = t.n
+    WHERE k.scope = t.scope AND k.key = t.key
+    RETURNING t.n
+)
+SELECT r.n,
+       EXISTS (SELECT 1 FROM done WHERE done.n = r.n) AS completed,
+       EXISTS (SELECT 1 FROM idempotency_keys k
+               WHERE k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
+                 AND k.state IN ('in_flight', 'committed')) AS owned
+FROM r
 ";
 
 pub(super) const RELEASE: &str = r"
