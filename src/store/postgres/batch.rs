@@ -25,8 +25,7 @@ use tokio::sync::oneshot;
 use uuid::Uuid;
 
 use super::{PostgresStore, backend, held_if_one, sql::*};
-use crate::store::BoxFuture;
-use crate::store::{Ownership, StoreError};
+use crate::store::{BoxFuture, Ownership, StoreError};
 
 /// One completion, as the statements bind it, and where its answer goes.
 pub(super) struct Completion {
@@ -103,19 +102,31 @@ impl<T: Send + 'static> Batches<T> {
 
     /// Sends what is queued until the queue is empty, then gives the lane up. An item queued
     /// by a caller that found no lane free, after this lane saw the queue empty, is seen on the
-    /// check after the lane is given up.
+    /// check after the lane is given up. A lane that panics gives its lane up too (its batch's
+    /// callers get an error), so the store never runs out of lanes.
     async fn lane(&self, store: &PostgresStore, send: SendBatch<T>) {
+        let mut lane = Lane(self);
         loop {
             let batch = self.take();
             if batch.is_empty() {
-                self.lanes.fetch_sub(1, SeqCst);
+                drop(lane);
                 if self.queue().is_empty() || !self.take_lane() {
                     return;
                 }
+                lane = Lane(self);
                 continue;
             }
             send(store, batch).await;
         }
+    }
+}
+
+/// A lane taken: given up when dropped.
+struct Lane<'a, T>(&'a Batches<T>);
+
+impl<T> Drop for Lane<'_, T> {
+    fn drop(&mut self) {
+        self.0.lanes.fetch_sub(1, SeqCst);
     }
 }
 

@@ -1,12 +1,11 @@
-//! A claim: one statement in the common case, and a short transaction under the row lock for a
-//! row that needs settling (expired, held by another transaction, or committed with its lease
-//! lapsed).
+//! A claim: one statement in the common case (shared with the claims queued meanwhile, see
+//! `batch.rs`), and a short transaction under the row lock for a row that needs settling
+//! (expired, held by another transaction, or committed with its lease lapsed).
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use sqlx::{Connection, PgConnection, Row, postgres::PgRow};
-
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
@@ -122,46 +121,16 @@ impl PostgresStore {
             connection.give_back(&Ok::<(), sqlx::Error>(()));
             return Ok(answers);
         }
-        let rows = sqlx::query(CLAIM_MANY)
-            .bind(
-                sent.iter()
-                    .map(|(_, q, _)| q.record.scope())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sent.iter()
-                    .map(|(_, q, _)| q.record.key().as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sent.iter()
-                    .map(|(_, q, _)| &q.fingerprint[..])
-                    .collect::<Vec<_>>(),
-            )
-            .bind(sent.iter().map(|(_, q, _)| q.owner).collect::<Vec<_>>())
-            .bind(
-                sent.iter()
-                    .map(|(_, q, _)| millis(q.lease))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sent.iter()
-                    .map(|(_, _, left)| millis(*left))
-                    .collect::<Vec<_>>(),
-            )
-            .fetch_all(&mut *connection)
-            .await;
-        if connection.give_back(&rows) {
-            // The connection was gone: another round, on a fresh one.
-            for (i, _, _) in &sent {
-                answers[*i] = Ok(Claimed::Again);
-            }
-            return Ok(answers);
-        }
-        let rows = rows.map_err(|e| self.failed(e))?;
+        let rows = claim_many(&sent).fetch_all(&mut *connection).await;
+        // A claim without a row reads its key again.
         for (i, _, _) in &sent {
             answers[*i] = Ok(Claimed::Again);
         }
+        if connection.give_back(&rows) {
+            // The connection was gone: another round, on a fresh one.
+            return Ok(answers);
+        }
+        let rows = rows.map_err(|e| self.failed(e))?;
         for row in rows {
             let n: i64 = row.try_get("n").map_err(backend)?;
             let (i, queued, _) = usize::try_from(n - 1)
@@ -191,6 +160,28 @@ impl PostgresStore {
         }
         settled.map_err(|e| self.failed(e))
     }
+}
+
+/// [`CLAIM_MANY`] with the claims `sent` (each with what is left of its caller's time) bound.
+fn claim_many<'q>(
+    sent: &[(usize, &'q Queued, Duration)],
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    let scopes: Vec<&'q str> = sent.iter().map(|(_, q, _)| q.record.scope()).collect();
+    let keys: Vec<&'q str> = sent
+        .iter()
+        .map(|(_, q, _)| q.record.key().as_str())
+        .collect();
+    let fingerprints: Vec<&'q [u8]> = sent.iter().map(|(_, q, _)| &q.fingerprint[..]).collect();
+    let owners: Vec<Uuid> = sent.iter().map(|(_, q, _)| q.owner).collect();
+    let leases: Vec<f64> = sent.iter().map(|(_, q, _)| millis(q.lease)).collect();
+    let left: Vec<f64> = sent.iter().map(|(_, _, left)| millis(*left)).collect();
+    sqlx::query(CLAIM_MANY)
+        .bind(scopes)
+        .bind(keys)
+        .bind(fingerprints)
+        .bind(owners)
+        .bind(leases)
+        .bind(left)
 }
 
 /// What a row of [`CLAIM_MANY`] says: the outcome, or `None` for a row the claim must settle under

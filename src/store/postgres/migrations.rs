@@ -8,7 +8,7 @@ use sqlx::migrate::{Migration, MigrationType, Migrator};
 /// the `idempotency_fence` sequence.
 ///
 /// Three ways to apply them:
-/// - [`PostgresStore::migrate`], which records them in a table of their own,
+/// - [`PostgresStore::migrate`](super::PostgresStore::migrate), which records them in a table of their own,
 ///   `_tower_idempotency_migrations`, so they never get in the way of the application's;
 /// - `MIGRATOR.run(&pool)`, recorded in sqlx's `_sqlx_migrations` (an application running its own
 ///   migrator on the same database then needs `set_ignore_missing(true)`);
