@@ -25,7 +25,7 @@ use std::{env, time::Duration};
 use sqlx::PgPool;
 use tower_idempotency::{
     IdempotencyClaim,
-    store::{FenceError, PostgresStore},
+    store::{FenceError, PostgresStore, Store},
     work::{Once, Slot},
 };
 
@@ -53,6 +53,13 @@ async fn main() {
         .expect("Postgres");
     let store = PostgresStore::new(pool.clone());
     store.migrate().await.expect("migrations");
+    // The start-up check: what puts a guarantee at risk logged, a store that cannot serve the
+    // reason to stop.
+    let diagnosis = store.diagnose().await;
+    diagnosis.log();
+    diagnosis
+        .ready()
+        .expect("the start-up check (see DATABASE_URL)");
     create_table(
         &pool,
         "CREATE TABLE IF NOT EXISTS job_steps (slot text NOT NULL, step bigint NOT NULL, instance text NOT NULL)",

@@ -7,7 +7,7 @@ use std::{env, time::Duration};
 
 use sqlx::PgPool;
 use tower_idempotency::{
-    store::PostgresStore,
+    store::{PostgresStore, Store},
     work::{Once, Unit, WorkError},
 };
 
@@ -53,6 +53,13 @@ impl Shipping {
             .expect("Postgres");
         let store = PostgresStore::new(pool.clone());
         store.migrate().await.expect("migrations");
+        // The start-up check: what puts a guarantee at risk logged, a store that cannot serve
+        // the reason to stop.
+        let diagnosis = store.diagnose().await;
+        diagnosis.log();
+        diagnosis
+            .ready()
+            .expect("the start-up check (see DATABASE_URL)");
         // Consumers starting together would race on `CREATE TABLE IF NOT EXISTS`: one at a time.
         let mut tx = pool.begin().await.expect("Postgres");
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext('tower-idempotency examples'))")

@@ -72,7 +72,7 @@ use tower::{ServiceBuilder, ServiceExt};
 use tower_idempotency::{
     IdempotencyClaim, IdempotencyLayer, MemoryStore,
     client::{ClientBody, IdempotencyClient, IdempotencyClientLayer},
-    store::{FenceError, PostgresStore, RecordKey, RedisStore, Severity, Store, TieredStore},
+    store::{FenceError, PostgresStore, RecordKey, RedisStore, Store, TieredStore},
 };
 
 use self::{answers::*, ledger::*, provider::*, setup::*};

@@ -57,12 +57,7 @@ pub(crate) async fn stores_from_env() -> (Arc<dyn Store>, Ledger) {
 /// never migrated) when the store cannot serve requests at all, rather than answering 503s.
 pub(crate) async fn check_store(store: &dyn Store) {
     let diagnosis = store.diagnose().await;
-    for finding in &diagnosis.findings {
-        match finding.severity {
-            Severity::Ok => tracing::debug!("{finding}"),
-            _ => tracing::warn!("{finding}"),
-        }
-    }
+    diagnosis.log();
     if let Err(error) = diagnosis.ready() {
         fail(
             "the start-up check (see REDIS_URL, REDIS_CLUSTER_NODES, DATABASE_URL)",

@@ -105,6 +105,18 @@ impl Diagnosis {
         self.worst() == Severity::Risk
     }
 
+    /// Logs every finding, each at its severity's level: a risk as an error, a warning as a
+    /// warning, what is fine at debug. With [`ready`](Self::ready), the start-up check.
+    pub fn log(&self) {
+        for finding in &self.findings {
+            match finding.severity {
+                Severity::Risk => tracing::error!("{finding}"),
+                Severity::Warning => tracing::warn!("{finding}"),
+                Severity::Ok => tracing::debug!("{finding}"),
+            }
+        }
+    }
+
     /// Whether the store can serve requests at all: `Err` with the findings that say it cannot
     /// (a server it cannot reach, a schema it needs that is missing or behind, a cluster with
     /// slots nobody serves), each naming what to fix. What only puts a guarantee at risk is left
@@ -114,13 +126,11 @@ impl Diagnosis {
     /// migrated stops the process with a clear error instead of answering every request 503:
     ///
     /// ```no_run
-    /// use tower_idempotency::store::{PostgresStore, Severity, Store};
+    /// use tower_idempotency::store::{PostgresStore, Store};
     ///
     /// # async fn start(store: PostgresStore) {
     /// let diagnosis = store.diagnose().await;
-    /// for finding in diagnosis.findings.iter().filter(|f| f.severity != Severity::Ok) {
-    ///     tracing::warn!("{finding}");
-    /// }
+    /// diagnosis.log();
     /// if let Err(error) = diagnosis.ready() {
     ///     eprintln!("{error}");
     ///     std::process::exit(1);
