@@ -236,6 +236,27 @@ async fn an_authority_that_acknowledges_commits_it_can_lose_is_a_risk() {
     schema.drop().await;
 }
 
+/// `url` with session `settings` (name, value), as the doctor's pool connects with them.
+fn with_session<'a>(
+    mut url: String,
+    settings: impl IntoIterator<Item = (&'a str, &'a str)>,
+) -> String {
+    for (name, value) in settings {
+        url.push_str(&format!("&options[{name}]={value}"));
+    }
+    url
+}
+
+/// That a `doctor` report found everything as it should be.
+fn assert_all_ok(report: &str) {
+    assert!(
+        report
+            .lines()
+            .all(|line| line.starts_with("ok ") || line == "worst: ok"),
+        "{report}"
+    );
+}
+
 /// The admin example's `doctor`: its output and exit code, as a deployment script sees them.
 fn doctor(env: &[(&str, String)]) -> (bool, String) {
     let output = support::example_command("admin", env)
@@ -250,20 +271,15 @@ fn doctor(env: &[(&str, String)]) -> (bool, String) {
 async fn the_doctor_command_exits_non_zero_only_when_a_guarantee_is_at_risk() {
     let schema = TestSchema::new().await;
     let redis = healthy_redis().await;
-    let mut healthy = url_in_schema(&database_url(), &schema.name);
-    for (setting, value) in HEALTHY_SESSION {
-        healthy.push_str(&format!("&options[{setting}]={value}"));
-    }
+    let healthy = with_session(
+        url_in_schema(&database_url(), &schema.name),
+        HEALTHY_SESSION,
+    );
     let env = [("DATABASE_URL", healthy), ("REDIS_URL", redis.url())];
     let (passed, report) = doctor(&env);
     println!("healthy:\n{report}");
     assert!(passed, "{report}");
-    assert!(
-        report
-            .lines()
-            .all(|line| line.starts_with("ok ") || line == "worst: ok"),
-        "{report}"
-    );
+    assert_all_ok(&report);
 
     // The same Postgres without its session timeouts, in a schema never migrated.
     let bare = url_in_schema(&database_url(), "doctor_never_migrated");
@@ -307,27 +323,19 @@ async fn the_compose_files_servers_pass_the_doctor() {
     // The compose file's server settings (`-c name=value`), here as the session's.
     let postgres_args = compose_command(&compose, "postgres");
     let schema = TestSchema::new().await;
-    let mut url = url_in_schema(&database_url(), &schema.name);
-    for setting in postgres_args
+    let settings = postgres_args
         .iter()
         .skip_while(|a| *a != "-c")
         .skip(1)
-        .step_by(2)
-    {
-        let (name, value) = setting.split_once('=').unwrap();
-        url.push_str(&format!("&options[{name}]={value}"));
-    }
+        .step_by(2);
+    let settings = settings.map(|setting| setting.split_once('=').unwrap());
+    let url = with_session(url_in_schema(&database_url(), &schema.name), settings);
     let migrated = PostgresStore::new(sqlx::PgPool::connect(&url).await.unwrap());
     migrated.migrate().await.unwrap();
     let (passed, report) = doctor(&[("DATABASE_URL", url), ("REDIS_URL", redis.url())]);
     println!("{report}");
     assert!(passed, "{report}");
-    assert!(
-        report
-            .lines()
-            .all(|line| line.starts_with("ok ") || line == "worst: ok"),
-        "{report}"
-    );
+    assert_all_ok(&report);
     let image = compose
         .split("image: postgres:")
         .nth(1)

@@ -122,35 +122,31 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
             );
         }
     }
-    if let (Some(x), Some(y)) = (get("postgres", "fresh"), get("postgres-single", "fresh")) {
-        println!(
-            "- fresh keys, claims and completions in batches vs each on its own: {:.2}×",
-            ratio(x, y)
-        );
-    }
-    if let (Some(x), Some(y)) = (floors.get("postgres"), floors.get("postgres-single")) {
-        let per_round = x.iter().zip(y).map(|(x, y)| x / y).collect();
-        println!(
-            "- claim + complete floor, in batches vs each on its own: {:.2}×",
-            median(per_round)
-        );
-    }
-    if let (Some(x), Some(y)) = (
-        get("postgres-partitioned", "fresh"),
-        get("postgres", "fresh"),
-    ) {
-        println!(
-            "- fresh keys, partitioned vs plain idempotency_keys: {:.2}×",
-            ratio(x, y)
-        );
-    }
-    if let (Some(x), Some(y)) = (floors.get("postgres-partitioned"), floors.get("postgres")) {
-        let per_round = x.iter().zip(y).map(|(x, y)| x / y).collect();
-        println!(
-            "- claim + complete floor, partitioned vs plain: {:.2}×",
-            median(per_round)
-        );
-    }
+    // Two setups side by side: their fresh keys, and their claim + complete floors.
+    let side_by_side = |x: &str, y: &str, fresh: &str, floor: &str| {
+        if let (Some(a), Some(b)) = (get(x, "fresh"), get(y, "fresh")) {
+            println!("- fresh keys, {fresh}: {:.2}×", ratio(a, b));
+        }
+        if let (Some(a), Some(b)) = (floors.get(x), floors.get(y)) {
+            let per_round = a.iter().zip(b).map(|(a, b)| a / b).collect();
+            println!(
+                "- claim + complete floor, {floor}: {:.2}×",
+                median(per_round)
+            );
+        }
+    };
+    side_by_side(
+        "postgres",
+        "postgres-single",
+        "claims and completions in batches vs each on its own",
+        "in batches vs each on its own",
+    );
+    side_by_side(
+        "postgres-partitioned",
+        "postgres",
+        "partitioned vs plain idempotency_keys",
+        "partitioned vs plain",
+    );
     if let Some(cpu) = cpu("postgres") {
         println!("- application CPU per fresh request on Postgres: {cpu:.1} µs");
     }
