@@ -198,3 +198,172 @@ async fn claims_go_out_together_and_each_gets_its_own_answer() {
     );
     schema.drop().await;
 }
+
+/// Keys claimed for `lease` by one owner each (`<prefix>-<n>`); the keys of `taken` are then
+/// taken over by another owner once that lease ran out, so their first leases are stale.
+async fn held_and_taken(
+    store: &PostgresStore,
+    prefix: &str,
+    count: usize,
+    taken: std::ops::Range<usize>,
+) -> Vec<Lease> {
+    let short = Duration::from_millis(200);
+    let mut leases = Vec::new();
+    for n in 0..count {
+        let lease = if taken.contains(&n) { short } else { LONG };
+        leases.push(acquire(store, &claim_request(&format!("{prefix}-{n}"), lease)).await);
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    for n in taken {
+        acquire(store, &claim_request(&format!("{prefix}-{n}"), LONG)).await;
+    }
+    leases
+}
+
+/// Locks the row of `key` in a transaction of its own, until it ends.
+async fn lock_row(schema: &TestSchema, key: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut locker = schema.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_keys WHERE key = $1 FOR UPDATE")
+        .bind(key)
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    locker
+}
+
+/// Runs `call` for every lease at once; the answers by key.
+async fn at_once<F, Fut>(leases: Vec<Lease>, call: F) -> Vec<(usize, Ownership)>
+where
+    F: Fn(Lease) -> Fut,
+    Fut: Future<Output = Result<Ownership, tower_idempotency::store::StoreError>> + Send + 'static,
+{
+    let calls: Vec<_> = leases
+        .into_iter()
+        .map(|lease| {
+            let n = lease.record().key().as_str().rsplit('-').next().unwrap();
+            let n: usize = n.parse().unwrap();
+            let call = call(lease);
+            tokio::spawn(async move { (n, call.await.unwrap()) })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for call in calls {
+        answers.push(call.await.unwrap());
+    }
+    answers
+}
+
+/// 60 renewals at once through one lane: 49 held by their owner, 10 taken over by another
+/// owner, one whose row another transaction holds. Each gets the answer a renewal alone gets
+/// (held, lost, busy: a renewal never waits on a lock), the held leases are renewed at the
+/// destination, and the renewals went out in batches.
+#[tokio::test]
+async fn renewals_go_out_together_and_each_gets_its_own_answer() {
+    let (written, _guard) = debug_events();
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone()).with_max_connections(4);
+    let leases = held_and_taken(&store, "r", 60, 0..10).await;
+    let locker = lock_row(&schema, "r-59").await;
+    let renewed = Duration::from_secs(600);
+    let answers = at_once(leases, |lease| {
+        let store = store.clone();
+        async move { store.renew(&lease, renewed).await }
+    })
+    .await;
+    for (n, answer) in answers {
+        let expected = match n {
+            0..10 => Ownership::Lost,
+            59 => Ownership::Busy,
+            _ => Ownership::Held,
+        };
+        assert_eq!(answer, expected, "r-{n}");
+    }
+    locker.rollback().await.unwrap();
+    // At the destination: the 49 held leases run ten minutes from now, the others do not.
+    let renewed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_keys WHERE lease_until > now() + interval '5 minutes'",
+    )
+    .fetch_one(&schema.pool)
+    .await
+    .unwrap();
+    assert_eq!(renewed, 49);
+    assert!(
+        written.count("renewals sent together") >= 1,
+        "no renewals went out together"
+    );
+    schema.drop().await;
+}
+
+/// 60 releases at once through one lane: 40 free keys of their owner, 10 taken over by another
+/// owner, 5 committed through the fence, 4 with a recovery point, and one whose row another
+/// transaction holds. The free keys are deleted, the taken ones are lost and kept, the
+/// committed ones answer committed and are kept, those with progress keep their row with the
+/// lease ended; the locked one waits for its lock without holding up the others; and the
+/// releases went out in batches.
+#[tokio::test]
+async fn releases_go_out_together_and_each_gets_its_own_answer() {
+    let (written, _guard) = debug_events();
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone()).with_max_connections(4);
+    let leases = held_and_taken(&store, "x", 60, 0..10).await;
+    for (n, lease) in leases.iter().enumerate().take(19).skip(10) {
+        let claim = IdempotencyClaim::new(lease.clone(), LONG);
+        let mut tx = schema.pool.begin().await.unwrap();
+        if n < 15 {
+            claim.commit(&mut tx).await.unwrap();
+        } else {
+            let payload = serde_json::json!({"step": 1});
+            claim.advance(&mut tx, "charged", &payload).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+    let locker = lock_row(&schema, "x-59").await;
+    let store = Arc::new(store);
+    let mut leases = leases;
+    let locked = leases.pop().unwrap();
+    let locked = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move { store.release(&locked).await.unwrap() })
+    };
+    let answers = at_once(leases, |lease| {
+        let store = Arc::clone(&store);
+        async move { store.release(&lease).await }
+    })
+    .await;
+    for (n, answer) in answers {
+        let expected = match n {
+            0..10 => Ownership::Lost,
+            10..15 => Ownership::Committed,
+            _ => Ownership::Held,
+        };
+        assert_eq!(answer, expected, "x-{n}");
+    }
+    assert!(
+        !locked.is_finished(),
+        "the locked key released under its lock"
+    );
+    locker.commit().await.unwrap();
+    assert_eq!(locked.await.unwrap(), Ownership::Held);
+
+    // At the destination: the taken, committed and resumable keys are left, nothing else.
+    let rows: Vec<(String, String, bool)> =
+        sqlx::query_as("SELECT key, state, lease_until > now() FROM idempotency_keys ORDER BY key")
+            .fetch_all(&schema.pool)
+            .await
+            .unwrap();
+    let left: Vec<(usize, &str, bool)> = rows
+        .iter()
+        .map(|(key, state, leased)| (key[2..].parse().unwrap(), state.as_str(), *leased))
+        .collect();
+    let mut expected: Vec<(usize, &str, bool)> = (0..10).map(|n| (n, "in_flight", true)).collect();
+    expected.extend((10..15).map(|n| (n, "committed", true)));
+    expected.extend((15..19).map(|n| (n, "in_flight", false)));
+    let mut left = left;
+    left.sort();
+    assert_eq!(left, expected);
+    assert!(
+        written.count("releases sent together") >= 1,
+        "no releases went out together"
+    );
+    schema.drop().await;
+}

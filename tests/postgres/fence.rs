@@ -347,3 +347,57 @@ async fn the_fences_retention_counts_from_the_commit_not_the_transactions_start(
     );
     schema.drop().await;
 }
+
+/// A key committed with its answer is complete already: its completion is answered held
+/// without a write (the row's version, its `xmin`, is the one the fence wrote), `inspect` calls
+/// it completed, and a retry gets the answer stored with the fence. A stale owner's completion
+/// of it is still lost. Before, the completion wrote the row a second time.
+#[tokio::test]
+async fn completing_a_key_committed_with_its_answer_writes_nothing() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone());
+    let stale = acquire(&store, &claim_request("k", Duration::from_millis(100))).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let request = claim_request("k", LONG);
+    let lease = acquire(&store, &request).await;
+    let mut tx = schema.pool.begin().await.unwrap();
+    let created = http::Response::builder()
+        .status(StatusCode::CREATED)
+        .body(bytes::Bytes::from_static(b"created"))
+        .unwrap();
+    claim_for(lease.clone(), LONG)
+        .commit_with_response(&mut tx, &created)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let version = async || -> String {
+        sqlx::query_scalar("SELECT xmin::text FROM idempotency_keys WHERE key = 'k'")
+            .fetch_one(&schema.pool)
+            .await
+            .unwrap()
+    };
+    let fenced = version().await;
+
+    let ok = response(StatusCode::OK);
+    assert_eq!(
+        store.complete(&lease, &ok, LONG).await.unwrap(),
+        Ownership::Held
+    );
+    assert_eq!(
+        store.complete(&stale, &ok, LONG).await.unwrap(),
+        Ownership::Lost
+    );
+    assert_eq!(
+        version().await,
+        fenced,
+        "the completion wrote the row again"
+    );
+    let info = store.inspect(request.record()).await.unwrap().unwrap();
+    assert_eq!(info.state, tower_idempotency::store::RecordState::Completed);
+    assert_eq!(info.status, Some(StatusCode::CREATED));
+    match store.claim(&claim_request("k", LONG)).await.unwrap() {
+        ClaimOutcome::Completed { response, .. } => assert_eq!(response.status(), 201),
+        other => panic!("a retry got {other:?}"),
+    }
+    schema.drop().await;
+}

@@ -60,7 +60,7 @@ async fn the_fence_the_sweeper_and_the_admin_work_on_the_partitioned_table() {
     let store = PostgresStore::new(schema.pool.clone());
     let short = Duration::from_millis(100);
     for k in 0..64 {
-        let request = claim_request(&format!("k-{k}"), LONG);
+        let request = claim_request(&format!("k-{k}"), short);
         let lease = acquire(&store, &request).await;
         if k % 2 == 0 {
             let mut tx = schema.pool.begin().await.unwrap();
@@ -68,7 +68,8 @@ async fn the_fence_the_sweeper_and_the_admin_work_on_the_partitioned_table() {
                 .status(StatusCode::CREATED)
                 .body(bytes::Bytes::from_static(b"{}"))
                 .unwrap();
-            claim_for(lease.clone(), LONG)
+            // The layer gives the fence and the completion the same retention.
+            IdempotencyClaim::new(lease.clone(), short)
                 .commit_with_response(&mut tx, &answer)
                 .await
                 .unwrap();

@@ -1,33 +1,60 @@
-//! Claims and completions in batches: those that arrive while earlier ones are on their way to
-//! the server go out together, as one set-based statement (arrays and `unnest`), one round trip
-//! and one commit for all of them.
+//! Claims, completions, releases and renewals in batches: those that arrive while earlier ones
+//! are on their way to the server go out together, as one set-based statement (arrays and
+//! `unnest`), one round trip and one commit for all of them.
 //!
 //! A call is queued, and sent by a *lane*: a task that takes what is queued (up to
 //! [`with_max_batch`](PostgresStore::with_max_batch), 64 by default) and sends it, until the
 //! queue is empty. A call that finds a lane free starts one at once, so an idle store sends it
 //! alone, with no wait; only when every lane is busy does a call wait, and then it goes out with
-//! the others that queued meanwhile. Claims and completions have lanes of their own.
+//! the others that queued meanwhile. Each kind of call has lanes of its own.
 //!
-//! Each key's answer is its own, and the one the call sent alone gets. A claim is one statement
-//! whether it carries one claim or many (`claim.rs`). A completion the batch completed is held;
-//! one whose row another transaction holds locked is skipped by the batch (`SKIP LOCKED`, so that
-//! one lock never holds up the others) and completed on its own, waiting for the lock as a
-//! single completion does; one this owner no longer holds is lost. A batch that fails (a
-//! connection lost, say) is sent again call by call.
+//! Each key's answer is its own, and the one the call sent alone gets. Every batch, of one call
+//! or many, is one set-based statement. A claim's is `claim.rs`'s. A renewal never waits on a
+//! row lock: a locked row is busy, as it always was. A completion or a release the batch wrote
+//! is held; one whose row another transaction holds locked is skipped by the batch (`SKIP
+//! LOCKED`, so that one lock never holds up the others) and sent alone, as the single statement
+//! that waits for the lock, on a task of its own while the lane goes on; one this owner no
+//! longer holds is lost. A batch of many that fails (a connection lost, say) is sent again call
+//! by call.
 
 use std::sync::{
     Arc, Mutex, PoisonError,
     atomic::{AtomicUsize, Ordering::SeqCst},
 };
 
-use sqlx::Row;
+use sqlx::{Row, postgres::PgRow};
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
-use super::{PostgresStore, backend, held_if_one, sql::*};
+use super::{PostgresStore, STORE, backend, held_if_one, sql::*};
 use crate::store::{BoxFuture, Ownership, StoreError};
 
-/// One completion, as the statements bind it, and where its answer goes.
+/// An owner-checked write of one key (a completion, a release, a renewal) waiting for a lane,
+/// and where its answer goes.
+pub(super) struct Queued<T> {
+    pub(super) call: T,
+    answer: oneshot::Sender<Result<Ownership, StoreError>>,
+}
+
+/// An owner-checked write of one key that goes out alone or with others of its kind.
+pub(super) trait Write: Send + Sync + Sized + 'static {
+    /// What a batch of them is called in the store's debug events.
+    const KIND: &'static str;
+
+    /// Alone: waits for the row's lock when another transaction holds it (a write the batch
+    /// skipped for its lock, or one of a batch that failed).
+    fn one<'a>(&'a self, store: &'a PostgresStore) -> BoxFuture<'a, Result<Ownership, StoreError>>;
+
+    /// Together: an answer per write, in order, or `None` for one whose row another transaction
+    /// held locked (skipped, to be sent alone).
+    fn many<'a>(
+        store: &'a PostgresStore,
+        batch: &'a [Queued<Self>],
+    ) -> BoxFuture<'a, Result<Vec<Option<Ownership>>, StoreError>>;
+}
+
+/// One completion, as the statements bind it.
+#[derive(Debug)]
 pub(super) struct Completion {
     pub(super) scope: String,
     pub(super) key: String,
@@ -35,7 +62,23 @@ pub(super) struct Completion {
     pub(super) status: i16,
     pub(super) response: Vec<u8>,
     pub(super) retention_ms: f64,
-    pub(super) answer: oneshot::Sender<Result<Ownership, StoreError>>,
+}
+
+/// One release.
+#[derive(Debug)]
+pub(super) struct Release {
+    pub(super) scope: String,
+    pub(super) key: String,
+    pub(super) owner: Uuid,
+}
+
+/// One renewal, for `lease_ms` from now.
+#[derive(Debug)]
+pub(super) struct Renewal {
+    pub(super) scope: String,
+    pub(super) key: String,
+    pub(super) owner: Uuid,
+    pub(super) lease_ms: f64,
 }
 
 /// Calls of one kind waiting for a lane, and the lanes running.
@@ -50,23 +93,19 @@ pub(super) struct Batches<T> {
 /// How a lane sends one batch of `T`.
 pub(super) type SendBatch<T> = for<'a> fn(&'a PostgresStore, Vec<T>) -> BoxFuture<'a, ()>;
 
-impl std::fmt::Debug for Completion {
+impl<T: std::fmt::Debug> std::fmt::Debug for Queued<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Completion")
-            .field("owner", &self.owner)
-            .finish_non_exhaustive()
+        self.call.fmt(f)
     }
 }
 
 impl<T: Send + 'static> Batches<T> {
-    /// Lanes for a store of `connections` connections, batches of at most `max_batch`: a
-    /// quarter of the connections for each kind (claims, completions), so that the store's other
-    /// statements (settling a claim, releases, the sweeper) always find connections free.
-    pub(super) fn new(connections: usize, max_batch: usize) -> Arc<Self> {
+    /// At most `lanes` lanes (at least one), batches of at most `max_batch`.
+    pub(super) fn new(lanes: usize, max_batch: usize) -> Arc<Self> {
         Arc::new(Self {
             queue: Mutex::default(),
             lanes: AtomicUsize::new(0),
-            max_lanes: (connections / 4).max(1),
+            max_lanes: lanes.max(1),
             max_batch: max_batch.max(1),
         })
     }
@@ -131,105 +170,249 @@ impl<T> Drop for Lane<'_, T> {
 }
 
 impl PostgresStore {
-    /// Queues `completion` for a lane.
-    pub(super) fn enqueue_completion(&self, completion: Completion) {
-        let send: SendBatch<Completion> = |store, batch| Box::pin(store.send(batch));
-        self.completions.push(self, completion, send);
+    /// Sends `call` through the lanes of `batches`: its answer, within the store's timeout.
+    pub(super) async fn batched<T: Write>(
+        &self,
+        batches: &Arc<Batches<Queued<T>>>,
+        call: T,
+    ) -> Result<Ownership, StoreError> {
+        let (answer, answered) = oneshot::channel();
+        let send: SendBatch<Queued<T>> = |store, batch| Box::pin(store.send(batch));
+        batches.push(self, Queued { call, answer }, send);
+        // The bound covers the wait for a lane too; a write the caller gave up on may still be
+        // sent, owner-checked, as a single one whose answer was lost could be.
+        match tokio::time::timeout(self.timeout, answered).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => Err(StoreError::backend(
+                STORE,
+                "its batch was dropped unanswered",
+            )),
+            Err(_) => Err(self.timed_out()),
+        }
     }
 
-    /// One batch: alone as the single statement, together as the set-based one.
-    async fn send(&self, mut batch: Vec<Completion>) {
-        if batch.len() == 1 {
-            let completion = batch.pop().expect("one completion");
-            let answer = self.complete_one(&completion).await;
-            let _ = completion.answer.send(answer);
-            return;
+    /// One batch, of one write or many, as the set-based statement. A write whose row another
+    /// transaction held is sent alone on a task of its own, so that it waits for the lock while
+    /// the lane goes on. A batch of many that fails is sent again write by write, so that
+    /// whatever failed it fails only its own key.
+    async fn send<T: Write>(&self, batch: Vec<Queued<T>>) {
+        if batch.len() > 1 {
+            tracing::debug!(writes = batch.len(), "{} sent together", T::KIND);
         }
-        tracing::debug!(completions = batch.len(), "completions sent together");
-        match self.complete_many(&batch).await {
-            Ok(verdicts) => {
-                for (completion, verdict) in batch.into_iter().zip(verdicts) {
-                    let answer = match verdict {
-                        Verdict::Completed => Ok(Ownership::Held),
-                        Verdict::Lost => Ok(Ownership::Lost),
-                        Verdict::Locked => self.complete_one(&completion).await,
-                    };
-                    let _ = completion.answer.send(answer);
+        match T::many(self, &batch).await {
+            Ok(answers) => {
+                for (queued, answer) in batch.into_iter().zip(answers) {
+                    match answer {
+                        Some(answer) => {
+                            let _ = queued.answer.send(Ok(answer));
+                        }
+                        None => {
+                            let store = self.clone();
+                            tokio::spawn(async move {
+                                let answer = queued.call.one(&store).await;
+                                let _ = queued.answer.send(answer);
+                            });
+                        }
+                    }
                 }
+            }
+            Err(error) if batch.len() == 1 => {
+                let queued = batch.into_iter().next().expect("one write");
+                let _ = queued.answer.send(Err(error));
             }
             Err(_) => {
-                // Each on its own, so that whatever failed the batch fails only its own key.
-                for completion in batch {
-                    let answer = self.complete_one(&completion).await;
-                    let _ = completion.answer.send(answer);
+                for queued in batch {
+                    let answer = queued.call.one(self).await;
+                    let _ = queued.answer.send(answer);
                 }
             }
         }
     }
 
-    /// The single completion, as the store sent every completion before batches.
-    async fn complete_one(&self, completion: &Completion) -> Result<Ownership, StoreError> {
-        let updated = self
-            .on_connection(async |connection| {
-                sqlx::query(COMPLETE)
-                    .bind(&completion.scope)
-                    .bind(&completion.key)
-                    .bind(completion.owner)
-                    .bind(completion.status)
-                    .bind(&completion.response[..])
-                    .bind(completion.retention_ms)
-                    .execute(connection)
-                    .await
-            })
-            .await?;
-        Ok(held_if_one(updated.rows_affected()))
-    }
-
-    /// The set-based completion: a verdict per completion, in order.
-    async fn complete_many(&self, batch: &[Completion]) -> Result<Vec<Verdict>, StoreError> {
-        let scopes: Vec<&str> = batch.iter().map(|c| c.scope.as_str()).collect();
-        let keys: Vec<&str> = batch.iter().map(|c| c.key.as_str()).collect();
-        let owners: Vec<Uuid> = batch.iter().map(|c| c.owner).collect();
-        let statuses: Vec<i16> = batch.iter().map(|c| c.status).collect();
-        let responses: Vec<&[u8]> = batch.iter().map(|c| &c.response[..]).collect();
-        let retentions: Vec<f64> = batch.iter().map(|c| c.retention_ms).collect();
+    /// The rows of a set-based write: for each, by its ordinal `n` (from 1), what `verdict`
+    /// reads of it; `None` for a write that has no row.
+    async fn rows<'q>(
+        &self,
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        writes: usize,
+        verdict: impl Fn(&PgRow) -> Result<Option<Ownership>, sqlx::Error>,
+    ) -> Result<Vec<Option<Ownership>>, StoreError> {
         let rows = self
-            .on_connection(async |connection| {
-                sqlx::query(COMPLETE_MANY)
-                    .bind(&scopes)
-                    .bind(&keys)
-                    .bind(&owners)
-                    .bind(&statuses)
-                    .bind(&responses)
-                    .bind(&retentions)
-                    .fetch_all(connection)
-                    .await
-            })
+            .on_connection(async |connection| query.fetch_all(connection).await)
             .await?;
-        let mut verdicts = vec![Verdict::Lost; batch.len()];
+        let mut answers = vec![Some(Ownership::Lost); writes];
         for row in rows {
             let n: i64 = row.try_get("n").map_err(backend)?;
-            let completed: bool = row.try_get("completed").map_err(backend)?;
-            let owned: bool = row.try_get("owned").map_err(backend)?;
             let slot = usize::try_from(n - 1)
                 .ok()
-                .and_then(|i| verdicts.get_mut(i))
+                .and_then(|i| answers.get_mut(i))
                 .ok_or_else(|| backend(sqlx::Error::RowNotFound))?;
-            *slot = match (completed, owned) {
-                (true, _) => Verdict::Completed,
-                (false, true) => Verdict::Locked,
-                (false, false) => Verdict::Lost,
-            };
+            *slot = verdict(&row).map_err(backend)?;
         }
-        Ok(verdicts)
+        Ok(answers)
     }
 }
 
-/// What the set-based statement did with one completion.
-#[derive(Debug, Clone, Copy)]
-enum Verdict {
-    Completed,
-    /// Held by this owner, but its row was locked by another transaction: skipped.
-    Locked,
-    Lost,
+impl Write for Completion {
+    const KIND: &'static str = "completions";
+
+    fn one<'a>(&'a self, store: &'a PostgresStore) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        Box::pin(async move {
+            let updated = store
+                .on_connection(async |connection| {
+                    sqlx::query(COMPLETE)
+                        .bind(&self.scope)
+                        .bind(&self.key)
+                        .bind(self.owner)
+                        .bind(self.status)
+                        .bind(&self.response[..])
+                        .bind(self.retention_ms)
+                        .execute(connection)
+                        .await
+                })
+                .await?;
+            Ok(held_if_one(updated.rows_affected()))
+        })
+    }
+
+    fn many<'a>(
+        store: &'a PostgresStore,
+        batch: &'a [Queued<Self>],
+    ) -> BoxFuture<'a, Result<Vec<Option<Ownership>>, StoreError>> {
+        let column = |f: fn(&'a Self) -> _| batch.iter().map(|q| f(&q.call)).collect::<Vec<_>>();
+        let query = sqlx::query(COMPLETE_MANY)
+            .bind(column(|c| c.scope.as_str()))
+            .bind(column(|c| c.key.as_str()))
+            .bind(batch.iter().map(|q| q.call.owner).collect::<Vec<_>>())
+            .bind(batch.iter().map(|q| q.call.status).collect::<Vec<_>>())
+            .bind(
+                batch
+                    .iter()
+                    .map(|q| &q.call.response[..])
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                batch
+                    .iter()
+                    .map(|q| q.call.retention_ms)
+                    .collect::<Vec<_>>(),
+            );
+        Box::pin(store.rows(query, batch.len(), |row| {
+            Ok(match (row.try_get("completed")?, row.try_get("owned")?) {
+                (true, _) => Some(Ownership::Held),
+                (false, true) => None,
+                (false, false) => Some(Ownership::Lost),
+            })
+        }))
+    }
+}
+
+impl Write for Release {
+    const KIND: &'static str = "releases";
+
+    fn one<'a>(&'a self, store: &'a PostgresStore) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        Box::pin(async move {
+            let row = store
+                .on_connection(async |connection| {
+                    sqlx::query(RELEASE)
+                        .bind(&self.scope)
+                        .bind(&self.key)
+                        .bind(self.owner)
+                        .fetch_one(connection)
+                        .await
+                })
+                .await?;
+            let released: bool = row.try_get("released").map_err(backend)?;
+            let committed: bool = row.try_get("committed").map_err(backend)?;
+            Ok(match (released, committed) {
+                (true, _) => Ownership::Held,
+                (false, true) => Ownership::Committed,
+                (false, false) => Ownership::Lost,
+            })
+        })
+    }
+
+    fn many<'a>(
+        store: &'a PostgresStore,
+        batch: &'a [Queued<Self>],
+    ) -> BoxFuture<'a, Result<Vec<Option<Ownership>>, StoreError>> {
+        let query = sqlx::query(RELEASE_MANY)
+            .bind(
+                batch
+                    .iter()
+                    .map(|q| q.call.scope.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                batch
+                    .iter()
+                    .map(|q| q.call.key.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(batch.iter().map(|q| q.call.owner).collect::<Vec<_>>());
+        Box::pin(store.rows(query, batch.len(), |row| {
+            let flags = (
+                row.try_get("released")?,
+                row.try_get("committed")?,
+                row.try_get("owned")?,
+            );
+            Ok(match flags {
+                (true, _, _) => Some(Ownership::Held),
+                (false, true, _) => Some(Ownership::Committed),
+                (false, false, true) => None,
+                (false, false, false) => Some(Ownership::Lost),
+            })
+        }))
+    }
+}
+
+impl Write for Renewal {
+    const KIND: &'static str = "renewals";
+
+    /// The set-based statement with one renewal: it never waits on a row lock either.
+    fn one<'a>(&'a self, store: &'a PostgresStore) -> BoxFuture<'a, Result<Ownership, StoreError>> {
+        Box::pin(async move {
+            let query = renew_many([self]);
+            let answer = store.rows(query, 1, renewal_verdict).await?.pop();
+            Ok(answer.flatten().unwrap_or(Ownership::Lost))
+        })
+    }
+
+    fn many<'a>(
+        store: &'a PostgresStore,
+        batch: &'a [Queued<Self>],
+    ) -> BoxFuture<'a, Result<Vec<Option<Ownership>>, StoreError>> {
+        let query = renew_many(batch.iter().map(|q| &q.call));
+        Box::pin(store.rows(query, batch.len(), renewal_verdict))
+    }
+}
+
+/// [`RENEW_MANY`] with `renewals` bound.
+fn renew_many<'q>(
+    renewals: impl IntoIterator<Item = &'q Renewal> + Clone,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    let column = |f: fn(&'q Renewal) -> _| renewals.clone().into_iter().map(f).collect::<Vec<_>>();
+    sqlx::query(RENEW_MANY)
+        .bind(column(|r| r.scope.as_str()))
+        .bind(column(|r| r.key.as_str()))
+        .bind(
+            renewals
+                .clone()
+                .into_iter()
+                .map(|r| r.owner)
+                .collect::<Vec<_>>(),
+        )
+        .bind(renewals.into_iter().map(|r| r.lease_ms).collect::<Vec<_>>())
+}
+
+/// A renewal renewed is held; one whose row another transaction held locked is busy (tried
+/// again soon by the layer); one this owner no longer holds is lost.
+fn renewal_verdict(row: &PgRow) -> Result<Option<Ownership>, sqlx::Error> {
+    Ok(Some(
+        match (row.try_get("renewed")?, row.try_get("owned")?) {
+            (true, _) => Ownership::Held,
+            (false, true) => Ownership::Busy,
+            (false, false) => Ownership::Lost,
+        },
+    ))
 }

@@ -67,7 +67,7 @@ impl PostgresStore {
             answer,
         };
         let send: SendBatch<Queued> = |store, batch| Box::pin(store.send_claims(batch));
-        self.claims.push(self, queued, send);
+        self.lanes.claims.push(self, queued, send);
         answered.await.unwrap_or_else(|_| {
             Err(StoreError::backend(
                 STORE,

@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 
 pub(crate) use self::fence::{advance, commit, recovery_point};
 use self::{
-    batch::{Batches, Completion},
+    batch::{Batches, Completion, Queued, Release, Renewal},
     claim::column_millis,
     connections::Connections,
     sql::*,
@@ -88,9 +88,32 @@ pub struct PostgresStore {
     timeout: Duration,
     sweep_batch: i64,
     max_batch: usize,
-    /// Completions and claims waiting for a lane, shared by the store's clones.
-    completions: Arc<Batches<Completion>>,
+    /// Calls waiting for a lane, shared by the store's clones.
+    lanes: Lanes,
+}
+
+/// The store's lanes (`batch.rs`), by kind of call.
+#[derive(Debug, Clone)]
+struct Lanes {
     claims: Arc<Batches<claim::Queued>>,
+    completions: Arc<Batches<Queued<Completion>>>,
+    releases: Arc<Batches<Queued<Release>>>,
+    renewals: Arc<Batches<Queued<Renewal>>>,
+}
+
+impl Lanes {
+    /// Lanes for a store of `connections` connections, batches of at most `max_batch`: a quarter
+    /// of the connections each for claims and completions, which every request sends, so that
+    /// the store's other statements (settling a claim, the sweeper) always find connections
+    /// free; one lane each for releases and renewals, whose batches are rarer and small.
+    fn new(connections: usize, max_batch: usize) -> Self {
+        Self {
+            claims: Batches::new(connections / 4, max_batch),
+            completions: Batches::new(connections / 4, max_batch),
+            releases: Batches::new(1, max_batch),
+            renewals: Batches::new(1, max_batch),
+        }
+    }
 }
 
 /// The connections of a store detached for renewals ([`Store::detached`]): renewals are short,
@@ -135,8 +158,7 @@ impl PostgresStore {
             timeout: DEFAULT_POSTGRES_TIMEOUT,
             sweep_batch: DEFAULT_SWEEP_BATCH,
             max_batch: DEFAULT_POSTGRES_BATCH,
-            completions: Batches::new(DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_BATCH),
-            claims: Batches::new(DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_BATCH),
+            lanes: Lanes::new(DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_BATCH),
         }
     }
 
@@ -163,12 +185,12 @@ impl PostgresStore {
             self.max_connections,
             self.timeout,
         ));
-        self.completions = Batches::new(self.max_connections, self.max_batch);
-        self.claims = Batches::new(self.max_connections, self.max_batch);
+        self.lanes = Lanes::new(self.max_connections, self.max_batch);
     }
 
-    /// How many claims, or completions, one statement carries at most (64 by default). Those
-    /// that arrive while the store's lanes for them (a quarter of its connections each) are all
+    /// How many claims, completions, releases or renewals one statement carries at most (64 by
+    /// default). Those that arrive while the store's lanes for them (a quarter of its
+    /// connections each for claims and completions, one each for releases and renewals) are all
     /// sending go out together, one round trip and one commit for all of them; one that finds a
     /// lane free goes out at once, alone. `1` sends each on its own statement.
     pub fn with_max_batch(mut self, calls: usize) -> Self {
@@ -322,27 +344,14 @@ impl Store for PostgresStore {
         lease: &'a Lease,
         duration: Duration,
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        Box::pin(async move {
-            let record = lease.record();
-            let row = self
-                .on_connection(async |connection| {
-                    sqlx::query(RENEW)
-                        .bind(record.scope())
-                        .bind(record.key().as_str())
-                        .bind(lease.owner())
-                        .bind(millis(duration))
-                        .fetch_one(connection)
-                        .await
-                })
-                .await?;
-            let renewed: bool = row.try_get("renewed").map_err(backend)?;
-            let owned: bool = row.try_get("owned").map_err(backend)?;
-            Ok(match (renewed, owned) {
-                (true, _) => Ownership::Held,
-                (false, true) => Ownership::Busy,
-                (false, false) => Ownership::Lost,
-            })
-        })
+        let record = lease.record();
+        let renewal = Renewal {
+            scope: record.scope().to_owned(),
+            key: record.key().as_str().to_owned(),
+            owner: lease.owner(),
+            lease_ms: millis(duration),
+        };
+        Box::pin(self.batched(&self.lanes.renewals, renewal))
     }
 
     fn complete<'a>(
@@ -351,52 +360,26 @@ impl Store for PostgresStore {
         response: &'a StoredResponse,
         retention: Duration,
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        Box::pin(async move {
-            let record = lease.record();
-            let (answer, answered) = tokio::sync::oneshot::channel();
-            self.enqueue_completion(Completion {
-                scope: record.scope().to_owned(),
-                key: record.key().as_str().to_owned(),
-                owner: lease.owner(),
-                status: response.status().as_u16() as i16,
-                response: response.encode().to_vec(),
-                retention_ms: millis(retention),
-                answer,
-            });
-            // The bound covers the wait for a lane too; a completion the caller gave up on may
-            // still be sent, owner-checked, as a single one whose answer was lost could be.
-            match tokio::time::timeout(self.timeout, answered).await {
-                Ok(Ok(answer)) => answer,
-                Ok(Err(_)) => Err(StoreError::backend(
-                    STORE,
-                    "its batch was dropped unanswered",
-                )),
-                Err(_) => Err(self.timed_out()),
-            }
-        })
+        let record = lease.record();
+        let completion = Completion {
+            scope: record.scope().to_owned(),
+            key: record.key().as_str().to_owned(),
+            owner: lease.owner(),
+            status: response.status().as_u16() as i16,
+            response: response.encode().to_vec(),
+            retention_ms: millis(retention),
+        };
+        Box::pin(self.batched(&self.lanes.completions, completion))
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        Box::pin(async move {
-            let record = lease.record();
-            let row = self
-                .on_connection(async |connection| {
-                    sqlx::query(RELEASE)
-                        .bind(record.scope())
-                        .bind(record.key().as_str())
-                        .bind(lease.owner())
-                        .fetch_one(connection)
-                        .await
-                })
-                .await?;
-            let released: bool = row.try_get("released").map_err(backend)?;
-            let committed: bool = row.try_get("committed").map_err(backend)?;
-            Ok(match (released, committed) {
-                (true, _) => Ownership::Held,
-                (false, true) => Ownership::Committed,
-                (false, false) => Ownership::Lost,
-            })
-        })
+        let record = lease.record();
+        let release = Release {
+            scope: record.scope().to_owned(),
+            key: record.key().as_str().to_owned(),
+            owner: lease.owner(),
+        };
+        Box::pin(self.batched(&self.lanes.releases, release))
     }
 
     fn kind(&self) -> &'static str {
@@ -435,8 +418,7 @@ impl Store for PostgresStore {
         Some(Arc::new(Self {
             connections: Arc::new(connections),
             max_connections: RENEWAL_CONNECTIONS,
-            completions: Batches::new(RENEWAL_CONNECTIONS, self.max_batch),
-            claims: Batches::new(RENEWAL_CONNECTIONS, self.max_batch),
+            lanes: Lanes::new(RENEWAL_CONNECTIONS, self.max_batch),
             ..self.clone()
         }))
     }

@@ -107,29 +107,39 @@ SET suspect = true, lease_until = now() + $3::float8 * interval '1 millisecond'
 WHERE scope = $1 AND key = $2
 ";
 
-/// Renews without waiting on a row lock: a locked row answers `renewed = false, owned = true`.
-pub(super) const RENEW: &str = r"
-WITH target AS (
-    SELECT scope, key FROM idempotency_keys
-    WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
-    FOR NO KEY UPDATE SKIP LOCKED
+/// Renews leases without waiting on a row lock, one or many at once (`batch.rs`): $1 scopes,
+/// $2 keys, $3 owners, $4 leases (ms), one element per renewal. A row per renewal, by its
+/// ordinal `n` (from 1): `renewed`, or `owned` without being renewed when another transaction
+/// held its row (skipped, not waited for), or neither when the owner lost it.
+pub(super) const RENEW_MANY: &str = r"
+WITH r AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[], $4::float8[])
+        WITH ORDINALITY AS r(scope, key, owner, lease_ms, n)
+),
+target AS (
+    SELECT k.scope, k.key, r.n
+    FROM idempotency_keys k JOIN r ON k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
+    WHERE k.state IN ('in_flight', 'committed')
+    FOR NO KEY UPDATE OF k SKIP LOCKED
 ),
 renewed AS (
     UPDATE idempotency_keys k
-    SET lease_until = now() + $4::float8 * interval '1 millisecond',
+    SET lease_until = now() + r.lease_ms * interval '1 millisecond',
         expires_at = CASE WHEN k.state = 'in_flight' AND k.recovery_point IS NULL
-                          THEN now() + $4::float8 * interval '1 millisecond'
-                          ELSE greatest(k.expires_at, now() + $4::float8 * interval '1 millisecond')
+                          THEN now() + r.lease_ms * interval '1 millisecond'
+                          ELSE greatest(k.expires_at, now() + r.lease_ms * interval '1 millisecond')
                      END,
         suspect = false, updated_at = now()
-    FROM target
-    WHERE k.scope = target.scope AND k.key = target.key
-    RETURNING 1
+    FROM target t JOIN r ON r.n = t.n
+    WHERE k.scope = t.scope AND k.key = t.key
+    RETURNING t.n
 )
-SELECT EXISTS (SELECT 1 FROM renewed) AS renewed,
-       EXISTS (SELECT 1 FROM idempotency_keys
-               WHERE scope = $1 AND key = $2 AND owner = $3
-                 AND state IN ('in_flight', 'committed')) AS owned
+SELECT r.n,
+       EXISTS (SELECT 1 FROM renewed WHERE renewed.n = r.n) AS renewed,
+       EXISTS (SELECT 1 FROM idempotency_keys k
+               WHERE k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
+                 AND k.state IN ('in_flight', 'committed')) AS owned
+FROM r
 ";
 
 /// Completes the key; a response the handler stored with the fence (`commit_with_response`) is
@@ -144,42 +154,47 @@ SET state = 'completed',
 WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
 ";
 
-/// [`COMPLETE`] for many keys at once (`batch.rs`): $1 scopes, $2 keys, $3 owners, $4 statuses,
-/// $5 responses, $6 retentions (ms), one element per completion. A row per completion, by its
-/// ordinal `n` (from 1): `completed`, or `owned` without being completed when another
-/// transaction held its row (skipped, not waited for), or neither when the owner lost it.
+/// [`COMPLETE`] for many keys at once, or one (`batch.rs`): $1 scopes, $2 keys, $3 owners, $4
+/// statuses, $5 responses, $6 retentions (ms), one element per completion. A row per
+/// completion, by its ordinal `n` (from 1): `completed`, or `owned` without being completed when
+/// another transaction held its row (skipped, not waited for), or neither when the owner lost
+/// it. A key its owner committed with its answer (`commit_with_response`, `commit_with_outcome`)
+/// is complete already: every claim answers it with that answer, and its retention ran from the
+/// fence. It is answered `completed` without a write: no lock, no row version, no WAL, no
+/// transaction id.
 pub(super) const COMPLETE_MANY: &str = r"
 WITH r AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[], $4::int2[], $5::bytea[], $6::float8[])
         WITH ORDINALITY AS r(scope, key, owner, status, response, retention_ms, n)
 ),
+mine AS (
+    SELECT r.n, k.state, k.response IS NOT NULL AS answered
+    FROM idempotency_keys k JOIN r ON k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
+    WHERE k.state IN ('in_flight', 'committed')
+),
 target AS (
     SELECT k.scope, k.key, r.n
     FROM idempotency_keys k JOIN r ON k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
-    WHERE k.state IN ('in_flight', 'committed')
+    WHERE k.state = 'in_flight' OR (k.state = 'committed' AND k.response IS NULL)
     FOR UPDATE OF k SKIP LOCKED
 ),
 done AS (
     UPDATE idempotency_keys k
-    SET state = 'completed',
-        status = CASE WHEN k.state = 'committed' AND k.response IS NOT NULL
-                      THEN k.status ELSE r.status END,
-        response = CASE WHEN k.state = 'committed' AND k.response IS NOT NULL
-                        THEN k.response ELSE r.response END,
-        lease_until = now(),
+    SET state = 'completed', status = r.status, response = r.response, lease_until = now(),
         expires_at = now() + r.retention_ms * interval '1 millisecond', updated_at = now()
     FROM target t JOIN r ON r.n = t.n
     WHERE k.scope = t.scope AND k.key = t.key
     RETURNING t.n
 )
 SELECT r.n,
-       EXISTS (SELECT 1 FROM done WHERE done.n = r.n) AS completed,
-       EXISTS (SELECT 1 FROM idempotency_keys k
-               WHERE k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
-                 AND k.state IN ('in_flight', 'committed')) AS owned
+       EXISTS (SELECT 1 FROM done WHERE done.n = r.n)
+           OR EXISTS (SELECT 1 FROM mine WHERE mine.n = r.n AND mine.state = 'committed'
+                                               AND mine.answered) AS completed,
+       EXISTS (SELECT 1 FROM mine WHERE mine.n = r.n) AS owned
 FROM r
 ";
 
+/// Releases the key, waiting for its row lock if another transaction holds it.
 pub(super) const RELEASE: &str = r"
 WITH released AS (
     DELETE FROM idempotency_keys
@@ -197,6 +212,46 @@ paused AS (
 SELECT EXISTS (SELECT 1 FROM released) OR EXISTS (SELECT 1 FROM paused) AS released,
        EXISTS (SELECT 1 FROM idempotency_keys
                WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'committed') AS committed
+";
+
+/// [`RELEASE`] for many keys at once (`batch.rs`): $1 scopes, $2 keys, $3 owners, one element
+/// per release. A row per release, by its ordinal `n` (from 1): `released`; or `committed`
+/// (the key is this owner's and committed: never released); or `owned`, in flight, when another
+/// transaction held its row (skipped, not waited for); or none of them when the owner lost it.
+pub(super) const RELEASE_MANY: &str = r"
+WITH r AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[])
+        WITH ORDINALITY AS r(scope, key, owner, n)
+),
+target AS (
+    SELECT k.scope, k.key, r.n, k.recovery_point IS NULL AS fresh
+    FROM idempotency_keys k JOIN r ON k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
+    WHERE k.state = 'in_flight'
+    FOR UPDATE OF k SKIP LOCKED
+),
+released AS (
+    DELETE FROM idempotency_keys k
+    USING target t
+    WHERE k.scope = t.scope AND k.key = t.key AND t.fresh
+    RETURNING t.n
+),
+-- A key with progress is not deleted: its lease ends, and the next attempt resumes it.
+paused AS (
+    UPDATE idempotency_keys k SET lease_until = now(), updated_at = now()
+    FROM target t
+    WHERE k.scope = t.scope AND k.key = t.key AND NOT t.fresh
+    RETURNING t.n
+)
+SELECT r.n,
+       EXISTS (SELECT 1 FROM released WHERE released.n = r.n)
+           OR EXISTS (SELECT 1 FROM paused WHERE paused.n = r.n) AS released,
+       EXISTS (SELECT 1 FROM idempotency_keys k
+               WHERE k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
+                 AND k.state = 'committed') AS committed,
+       EXISTS (SELECT 1 FROM idempotency_keys k
+               WHERE k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
+                 AND k.state = 'in_flight') AS owned
+FROM r
 ";
 
 /// A recovery point, advanced by the handler inside its own transaction (see
@@ -240,9 +295,13 @@ USING doomed
 WHERE k.scope = doomed.scope AND k.key = doomed.key
 ";
 
-/// What an operator sees of one key (a live row only).
+/// What an operator sees of one key (a live row only). A key committed with its answer is
+/// complete (see [`COMPLETE_MANY`]).
 pub(super) const INSPECT: &str = r"
-SELECT scope, key, state, fence, owner, status,
+SELECT scope, key,
+       CASE WHEN state = 'committed' AND response IS NOT NULL THEN 'completed' ELSE state END
+           AS state,
+       fence, owner, status,
        ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
        ceil(extract(epoch FROM now() - created_at) * 1000)::int8 AS age_ms,
        ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms
