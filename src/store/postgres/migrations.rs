@@ -67,6 +67,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "fence retention from the fence",
         include_str!("../../../migrations/20261201000001_fence_retention_from_the_fence.sql"),
     ),
+    (
+        20261202000000,
+        "fence in plpgsql",
+        include_str!("../../../migrations/20261202000000_fence_in_plpgsql.sql"),
+    ),
 ];
 
 /// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 4 ways:
