@@ -9,9 +9,10 @@
 //! Each message's subject ends with its order id (its idempotency key: `orders.o-1`), and its
 //! payload is the order. The consumers share one durable pull consumer: JetStream hands each
 //! message to one of them, and again to any of them when it is not acknowledged within
-//! `ACK_WAIT_MS` (the consumer is slow, or died) or is handed back (`nak`). Each delivery goes
-//! through `Once::run` (see `consumers/shipping.rs`), so a message delivered twice, even to two
-//! live consumers at once, ships once. A lost connection (the server restarted) is made again.
+//! `ACK_WAIT_MS` (the consumer is slow, or died) or is handed back (`nak`). A consumer works on
+//! up to `PREFETCH` messages at once; each delivery goes through `Once::run` (see
+//! `consumers/shipping.rs`), so a message delivered twice, even to two live consumers at once,
+//! ships once. A lost connection (the server restarted) is made again.
 //!
 //! | variable | effect |
 //! |---|---|
@@ -21,6 +22,7 @@
 //! | `DURABLE` | the durable consumer the consumers share (`shipping`) |
 //! | `ACK_WAIT_MS` | how long a delivery stays unacknowledged before JetStream redelivers it (30000) |
 //! | `CONSUMER` | this consumer's name in its logs (`consumer-<pid>`) |
+//! | `PREFETCH` | messages worked on at once (10) |
 //! | `WORK_MS` | work per message before its shipment is written (0) |
 //! | `IDEMPOTENCY_LEASE_MS` | the claim's lease (30000) |
 
@@ -30,7 +32,7 @@ mod shipping;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
-use futures_util::StreamExt;
+use futures_util::TryStreamExt;
 use shipping::{Shipping, millis, var};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -66,20 +68,25 @@ async fn consume(shipping: &Shipping, url: &str, consumer: &str) -> Result<(), E
         ack_wait: millis("ACK_WAIT_MS", 30_000),
         ..Default::default()
     };
-    let mut messages = stream
+    let messages = stream
         .get_or_create_consumer(&durable, config)
         .await?
         .messages()
         .await?;
     tracing::info!(%consumer, stream = %name, %durable, "consuming");
-    while let Some(message) = messages.next().await {
-        let message = message?;
-        let order_id = message.subject.rsplit('.').next().unwrap_or_default();
-        if shipping.ship(order_id, &message.payload).await {
-            message.ack().await?;
-        } else {
-            message.ack_with(AckKind::Nak(None)).await?;
-        }
-    }
+    // The whole window at once: deliveries in flight together share the store's claim and
+    // completion statements, and each is acknowledged on its own as soon as it is done.
+    let window: usize = var("PREFETCH", "10").parse().expect("PREFETCH");
+    messages
+        .map_err(Error::from)
+        .try_for_each_concurrent(window, |message| async move {
+            let order_id = message.subject.rsplit('.').next().unwrap_or_default();
+            if shipping.ship(order_id, &message.payload).await {
+                message.ack().await
+            } else {
+                message.ack_with(AckKind::Nak(None)).await
+            }
+        })
+        .await?;
     Ok(())
 }

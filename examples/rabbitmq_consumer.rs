@@ -8,9 +8,10 @@
 //! ```
 //!
 //! Each message carries its order id (its idempotency key) as its AMQP `message-id` and the
-//! payload as its body. The consumer takes up to `PREFETCH` messages unacknowledged; each goes
-//! through `Once::run` (see `consumers/shipping.rs`): a message delivered twice (published
-//! twice, or redelivered after a consumer died with it unacknowledged) ships once. A message
+//! payload as its body. The consumer takes up to `PREFETCH` messages unacknowledged and works
+//! on all of them at once; each goes through `Once::run` (see `consumers/shipping.rs`): a
+//! message delivered twice (published twice, or redelivered after a consumer died with it
+//! unacknowledged) ships once. A message
 //! that was delivered is acknowledged; one that was not (the work failed, or another delivery
 //! still ran it after the wait) is handed back (`basic.nack`, requeued), so that RabbitMQ
 //! delivers it again. A lost connection (the broker restarted) is made again.
@@ -30,7 +31,7 @@ mod shipping;
 
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use futures_util::TryStreamExt;
 use lapin::{
     Connection, ConnectionProperties,
     options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, QueueDeclareOptions},
@@ -72,7 +73,7 @@ async fn consume(
         .queue_declare(queue.into(), durable, FieldTable::default())
         .await?;
     channel.basic_qos(prefetch, Default::default()).await?;
-    let mut deliveries = channel
+    let deliveries = channel
         .basic_consume(
             queue.into(),
             consumer.into(),
@@ -81,18 +82,23 @@ async fn consume(
         )
         .await?;
     tracing::info!(%consumer, %queue, "consuming");
-    while let Some(delivery) = deliveries.next().await {
-        let delivery = delivery?;
-        let order_id = delivery.properties.message_id().clone().unwrap_or_default();
-        if shipping.ship(order_id.as_str(), &delivery.data).await {
-            delivery.ack(BasicAckOptions::default()).await?;
-        } else {
-            let again = BasicNackOptions {
-                requeue: true,
-                ..BasicNackOptions::default()
-            };
-            delivery.nack(again).await?;
-        }
-    }
+    // The whole prefetch window at once: deliveries in flight together share the store's claim
+    // and completion statements (one round trip and one commit for all of them), and each
+    // is acknowledged on its own as soon as it is done.
+    deliveries
+        .try_for_each_concurrent(usize::from(prefetch), |delivery| async move {
+            let order_id = delivery.properties.message_id().clone().unwrap_or_default();
+            if shipping.ship(order_id.as_str(), &delivery.data).await {
+                delivery.ack(BasicAckOptions::default()).await?;
+            } else {
+                let again = BasicNackOptions {
+                    requeue: true,
+                    ..BasicNackOptions::default()
+                };
+                delivery.nack(again).await?;
+            }
+            Ok(())
+        })
+        .await?;
     Ok(())
 }

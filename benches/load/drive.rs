@@ -48,6 +48,10 @@ pub(crate) async fn drive(mut options: Options) {
         redis.url()
     );
     let seconds = Duration::from_secs(options.seconds);
+    let broker = match options.only.iter().any(|s| s == "consumers") {
+        true => consumers::broker().await,
+        false => None,
+    };
 
     eprintln!(
         "load: {} connections, {} s per run, {} rounds, setups {:?}",
@@ -55,6 +59,7 @@ pub(crate) async fn drive(mut options: Options) {
     );
     let mut runs: Runs = BTreeMap::new();
     let mut floors: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut consumed: BTreeMap<&str, Vec<Consumed>> = BTreeMap::new();
     for round in 0..options.rounds {
         for setup in SETUPS
             .iter()
@@ -90,8 +95,16 @@ pub(crate) async fn drive(mut options: Options) {
             eprintln!("round {round} floor {name}: {floor:.0}/s");
             floors.entry(name).or_default().push(floor);
         }
+        for (name, once, window) in broker.iter().flat_map(|_| CONSUMER_KINDS) {
+            let url = broker.as_deref().unwrap_or_default();
+            let store = (database_url.as_str(), schema.as_str());
+            let run = measure_consumers(url, store, (once, window), seconds).await;
+            eprintln!("round {round} consumer {name}: {run:?}");
+            consumed.entry(name).or_default().push(run);
+        }
     }
     print_report(&options, &runs, &floors);
+    print_consumers(&consumed);
     for schema in [schema.clone(), partitioned(&schema)] {
         let (rows, bytes): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
             r#"SELECT (SELECT count(*) FROM "{schema}".idempotency_keys),
@@ -316,12 +329,16 @@ pub(crate) fn try_process_cpu(pid: u32) -> Option<Duration> {
 /// The CPU time of every `postgres` process so far (backends come and go: a process that
 /// ends between two readings takes its time with it, so measure with a pool that stays up).
 pub(crate) fn postgres_cpu() -> Duration {
+    programs_cpu("postgres")
+}
+
+/// The CPU time so far of every process whose command is `program`.
+pub(crate) fn programs_cpu(program: &str) -> Duration {
     std::fs::read_dir("/proc")
         .unwrap()
         .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|c| c.trim() == "postgres")
+            std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == program)
         })
         .filter_map(try_process_cpu)
         .sum()

@@ -61,12 +61,16 @@ pub(crate) async fn measure_floors(
             store_floor(Arc::new(store), tasks, seconds).await,
         ));
     }
-    if options.only.iter().any(|s| s == "tiered") {
-        let store = TieredStore::new(
-            redis_store(&redis.url(), &format!("floor:{}:", Uuid::new_v4().simple())),
-            postgres_store(database_url, schema).await,
-        );
-        floors.push(("tiered", store_floor(Arc::new(store), tasks, seconds).await));
+    for (setup, batch) in [("tiered", DEFAULT_POSTGRES_BATCH), ("tiered-single", 1)] {
+        if options.only.iter().any(|s| s == setup) {
+            let store = TieredStore::new(
+                redis_store(&redis.url(), &format!("floor:{}:", Uuid::new_v4().simple())),
+                postgres_store(database_url, schema)
+                    .await
+                    .with_max_batch(batch),
+            );
+            floors.push((setup, store_floor(Arc::new(store), tasks, seconds).await));
+        }
     }
     if options.only.iter().any(|s| s == "naive") {
         floors.push(("naive", naive_floor(&redis.url(), tasks, seconds).await));

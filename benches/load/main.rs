@@ -21,6 +21,12 @@
 //! one, in the same rounds, when a `valkey-server` is found (`VALKEY_SERVER`, the `PATH`, or
 //! where `.ci/valkey` puts it); without one they are left out.
 //!
+//! "consumers" (in `--only`, and in a run without it) is the consumer row: a RabbitMQ queue
+//! (`AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`) shipped by three consumers
+//! through `Once` against the same consumers without it (`consumers.rs`); without a broker
+//! it is left out. "tiered-single" and "postgres-single" are their stores sending every claim
+//! and completion on its own statement (`with_max_batch(1)`), as before batches.
+//!
 //! Redis runs as a `redis-server` this program starts on a free port, emptied before each run,
 //! so that its CPU time (`/proc`, per request) and `MEMORY USAGE` (per completed key) count only
 //! that run; Postgres is `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), in a
@@ -52,13 +58,13 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tower_idempotency::{
     Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse,
     store::{
-        ClaimOutcome, ClaimRequest, PARTITION_BY_HASH, PostgresStore, RecordKey, RedisStore, Store,
-        TieredStore,
+        ClaimOutcome, ClaimRequest, DEFAULT_POSTGRES_BATCH, PARTITION_BY_HASH, PostgresStore,
+        RecordKey, RedisStore, Store, TieredStore,
     },
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 13] = [
+const SETUPS: [&str; 14] = [
     "bare",
     "memory",
     "naive",
@@ -70,6 +76,7 @@ const SETUPS: [&str; 13] = [
     "postgres-single",
     "postgres-partitioned",
     "tiered",
+    "tiered-single",
     "memory-1mib",
     "memory-1mib-unbounded",
 ];
@@ -109,7 +116,13 @@ impl Options {
             rounds: value("--rounds").map_or(3, |v| v.parse().unwrap()),
             connections: value("--connections").map_or(64, |v| v.parse().unwrap()),
             only: value("--only").map_or_else(
-                || SETUPS.iter().map(|s| s.to_string()).collect(),
+                || {
+                    SETUPS
+                        .iter()
+                        .chain(&["consumers"])
+                        .map(|s| s.to_string())
+                        .collect()
+                },
                 |v| v.split(',').map(str::to_owned).collect(),
             ),
         }
@@ -148,9 +161,10 @@ struct Servers<'a> {
 }
 
 mod setups;
+mod consumers;
 mod drive;
 mod floors;
 mod servers;
 mod report;
 
-use self::{drive::*, floors::*, report::*, servers::*, setups::*};
+use self::{consumers::*, drive::*, floors::*, report::*, servers::*, setups::*};

@@ -110,6 +110,7 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
         "postgres-single",
         "postgres-partitioned",
         "tiered",
+        "tiered-single",
         "redis",
         "redis-cluster",
         "valkey",
@@ -140,6 +141,12 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
         "postgres-single",
         "claims and completions in batches vs each on its own",
         "in batches vs each on its own",
+    );
+    side_by_side(
+        "tiered",
+        "tiered-single",
+        "Redis in front of Postgres, in batches vs each on its own",
+        "Redis in front of Postgres, in batches vs each on its own",
     );
     side_by_side(
         "postgres-partitioned",
@@ -179,6 +186,56 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
     ] {
         if let (Some(ours), Some(naive)) = (bytes(ours), bytes(naive)) {
             println!("- {server} memory per completed key: {ours:.0} B vs naive {naive:.0} B");
+        }
+    }
+}
+
+/// The consumer rows: each kind's messages per second and what a message cost, and `Once`
+/// against bare.
+pub(crate) fn print_consumers(consumed: &BTreeMap<&str, Vec<Consumed>>) {
+    if consumed.is_empty() {
+        return;
+    }
+    println!(
+        "\n| consumers (3, RabbitMQ, prefetch 10) | msg/s | app CPU µs/msg | Postgres CPU µs/msg | RabbitMQ CPU µs/msg | write transactions/msg | WAL B/msg |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (name, _, _) in CONSUMER_KINDS {
+        let Some(runs) = consumed.get(name) else {
+            continue;
+        };
+        let m = |f: fn(&Consumed) -> f64| median(runs.iter().map(f).collect());
+        println!(
+            "| {name} | {:.0} | {:.1} | {:.1} | {:.1} | {:.2} | {:.0} |",
+            m(|r| r.rate),
+            m(|r| r.app_us),
+            m(|r| r.postgres_us),
+            m(|r| r.rabbitmq_us),
+            m(|r| r.transactions),
+            m(|r| r.wal_bytes),
+        );
+    }
+    let ratio = |a: &str, b: &str| {
+        let (a, b) = (consumed.get(a)?, consumed.get(b)?);
+        Some(median(
+            a.iter().zip(b).map(|(a, b)| a.rate / b.rate).collect(),
+        ))
+    };
+    for (a, b, what) in [
+        ("once", "bare", "through Once vs bare, the window at once"),
+        (
+            "once, one at a time",
+            "bare, one at a time",
+            "through Once vs bare, one at a time",
+        ),
+        (
+            "once",
+            "once, one at a time",
+            "through Once, the window at once vs one at a time",
+        ),
+    ] {
+        if let Some(ratio) = ratio(a, b) {
+            println!("- consumers {what}: {ratio:.2}×");
         }
     }
 }

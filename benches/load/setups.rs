@@ -68,6 +68,12 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
                     redis_store(&redis_url, &prefix),
                     postgres_store(&database_url, &schema).await,
                 ))),
+                "tiered-single" => layered(Arc::new(TieredStore::new(
+                    redis_store(&redis_url, &prefix),
+                    postgres_store(&database_url, &schema)
+                        .await
+                        .with_max_batch(1),
+                ))),
                 "naive" | "naive-valkey" => {
                     let url = if setup == "naive" {
                         redis_url

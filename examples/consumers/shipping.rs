@@ -5,7 +5,7 @@
 
 use std::{env, time::Duration};
 
-use sqlx::PgPool;
+use sqlx::{PgPool, postgres::PgPoolOptions};
 use tower_idempotency::{
     store::{PostgresStore, Store},
     work::{Once, Unit, WorkError},
@@ -25,6 +25,12 @@ pub fn millis(name: &str, default: u64) -> Duration {
             .unwrap_or(default),
     )
 }
+
+/// Connections of the store's own: a quarter of them is a lane each for claims and completions.
+const STORE_CONNECTIONS: usize = 4;
+
+/// The pool's, for the shipments' transactions: a prefetch window of 10 handled at once.
+const POOL_CONNECTIONS: u32 = 10;
 
 /// Logs to standard output, at `RUST_LOG` (info by default).
 pub fn log() {
@@ -48,10 +54,21 @@ impl Shipping {
     /// Connects to `DATABASE_URL`, runs the crate's migrations and makes the `shipments`
     /// table. `WORK_MS` of work per message; `IDEMPOTENCY_LEASE_MS` the claim's lease.
     pub async fn open(consumer: String) -> Self {
-        let pool = PgPool::connect(&env::var("DATABASE_URL").expect("DATABASE_URL"))
+        let pool = PgPoolOptions::new()
+            .max_connections(POOL_CONNECTIONS)
+            .connect(&env::var("DATABASE_URL").expect("DATABASE_URL"))
             .await
             .expect("Postgres");
-        let store = PostgresStore::new(pool.clone());
+        let (work, lease) = (millis("WORK_MS", 0), millis("IDEMPOTENCY_LEASE_MS", 30_000));
+        Self::on(pool, consumer, work, lease).await
+    }
+
+    /// [`open`](Self::open) on `pool`: `work` per message, claims leased for `lease`.
+    pub async fn on(pool: PgPool, consumer: String, work: Duration, lease: Duration) -> Self {
+        // The connection budget: the store's 4 (a lane each for claims and completions, so that
+        // a window's deliveries share their statements), its renewals' 4 and the pool's 10 for
+        // the shipments' own transactions: 18 per consumer.
+        let store = PostgresStore::new(pool.clone()).with_max_connections(STORE_CONNECTIONS);
         store.migrate().await.expect("migrations");
         // The start-up check: what puts a guarantee at risk logged, a store that cannot serve
         // the reason to stop.
@@ -75,8 +92,7 @@ impl Shipping {
         .await
         .expect("the shipments table");
         tx.commit().await.expect("the shipments table");
-        let once = Once::new(store).with_lease(millis("IDEMPOTENCY_LEASE_MS", 30_000));
-        let work = millis("WORK_MS", 0);
+        let once = Once::new(store).with_lease(lease);
         Self {
             once,
             pool,
@@ -99,22 +115,19 @@ impl Shipping {
             .run(unit, |claim| async move {
                 tokio::time::sleep(work).await;
                 let mut tx = pool.begin().await?;
-                // The fence: a delivery whose claim another took over writes nothing.
-                let fenced =
-                    |e: tower_idempotency::store::FenceError| sqlx::Error::Protocol(e.to_string());
-                claim.commit(&mut tx).await.map_err(fenced)?;
+                // The fence, with the outcome: a delivery whose claim another took over writes
+                // nothing, and a consumer killed right after this commit leaves the next
+                // delivery its outcome, not "outcome unknown".
+                let outcome = format!("shipped by {consumer}");
+                claim
+                    .commit_with_outcome(&mut tx, &outcome)
+                    .await
+                    .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
                 sqlx::query("INSERT INTO shipments (order_id, consumer) VALUES ($1, $2)")
                     .bind(claim.key().as_str())
                     .bind(consumer)
                     .execute(&mut *tx)
                     .await?;
-                // The outcome commits with the shipment: a consumer killed right after this
-                // commit leaves the next delivery its outcome, not "outcome unknown".
-                let outcome = format!("shipped by {consumer}");
-                claim
-                    .commit_with_outcome(&mut tx, &outcome)
-                    .await
-                    .map_err(fenced)?;
                 tx.commit().await?;
                 Ok::<_, sqlx::Error>(outcome)
             })

@@ -1,0 +1,298 @@
+//! The consumer row: orders on a RabbitMQ queue, shipped by three consumers, each with a store
+//! and a pool of its own as three processes would have, through the examples' own shipping step
+//! (`Once::run`, the fence with the outcome in the shipment's transaction), against the same
+//! consumers writing the shipment alone ("bare"). Each kind runs twice: deliveries one at a time
+//! (as the examples did before) and the whole prefetch window at once (as they do now, so that
+//! the store's claims and completions go out together).
+//!
+//! A run fills a queue of its own, consumes it for the run's seconds (or until it is empty), and
+//! counts what was acknowledged; then it counts the shipments in Postgres, where they were
+//! written: one per acknowledged order, none twice, or the run panics.
+
+use futures_util::{StreamExt, TryStreamExt};
+use lapin::{
+    BasicProperties, Connection, ConnectionProperties,
+    options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, QueueDeclareOptions},
+    types::FieldTable,
+};
+use sqlx::PgPool;
+
+use super::*;
+
+#[path = "../../examples/consumers/shipping.rs"]
+#[allow(dead_code)]
+mod shipping;
+
+/// The consumers of a run, as the RabbitMQ example runs them.
+const CONSUMERS: usize = 3;
+
+/// Messages each consumer takes unacknowledged, as the RabbitMQ example's default.
+const PREFETCH: u16 = 10;
+
+/// Messages put on the queue per second of a run: more than any kind ships.
+const FILL_PER_SECOND: usize = 8_000;
+
+/// The consumer kinds, by name: whether each goes through `Once`, and how many deliveries a
+/// consumer works on at once.
+pub(crate) const CONSUMER_KINDS: [(&str, bool, u16); 4] = [
+    ("bare", false, PREFETCH),
+    ("once", true, PREFETCH),
+    ("bare, one at a time", false, 1),
+    ("once, one at a time", true, 1),
+];
+
+/// The broker, or `None` (and why) when none answers at `AMQP_URL`.
+pub(crate) async fn broker() -> Option<String> {
+    let url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    match Connection::connect(&url, ConnectionProperties::default()).await {
+        Ok(connection) => {
+            let _ = connection.close(200, "probed".into()).await;
+            Some(url)
+        }
+        Err(error) => {
+            eprintln!("consumers: no RabbitMQ at {url} ({error}); the consumer rows are left out");
+            None
+        }
+    }
+}
+
+/// What one kind of consumer did in one run, per message where not said otherwise.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Consumed {
+    /// Messages shipped and acknowledged per second.
+    pub(crate) rate: f64,
+    /// CPU of this process (the consumers, their stores, lapin), in µs.
+    pub(crate) app_us: f64,
+    /// CPU of every `postgres` process, in µs.
+    pub(crate) postgres_us: f64,
+    /// CPU of the RabbitMQ node (`beam.smp`), in µs.
+    pub(crate) rabbitmq_us: f64,
+    /// Write transactions (transaction ids Postgres assigned): each is a commit.
+    pub(crate) transactions: f64,
+    /// WAL written, in bytes.
+    pub(crate) wal_bytes: f64,
+}
+
+/// Where Postgres and the processes stand: CPU so far, the next transaction id, the WAL's end.
+struct Reading {
+    app: Duration,
+    postgres: Duration,
+    rabbitmq: Duration,
+    next_xid: i64,
+    wal: i64,
+}
+
+impl Reading {
+    async fn now(pool: &PgPool) -> Self {
+        let (next_xid, wal): (i64, i64) = sqlx::query_as(
+            "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::int8,
+                    (pg_current_wal_lsn() - '0/0')::int8",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        Self {
+            app: process_cpu(std::process::id()),
+            postgres: postgres_cpu(),
+            rabbitmq: programs_cpu("beam.smp"),
+            next_xid,
+            wal,
+        }
+    }
+
+    /// What happened since `self`, per message of `messages`.
+    fn per_message(&self, later: &Self, messages: u64) -> Consumed {
+        let n = messages.max(1) as f64;
+        let us = |a: Duration, b: Duration| b.saturating_sub(a).as_secs_f64() * 1e6 / n;
+        Consumed {
+            rate: 0.0,
+            app_us: us(self.app, later.app),
+            postgres_us: us(self.postgres, later.postgres),
+            rabbitmq_us: us(self.rabbitmq, later.rabbitmq),
+            transactions: (later.next_xid - self.next_xid) as f64 / n,
+            wal_bytes: (later.wal - self.wal) as f64 / n,
+        }
+    }
+}
+
+/// One kind of consumer for `seconds`: three consumers, each with a pool and a store of its own
+/// (closed after the run), shipping into `schema`.
+pub(crate) async fn measure_consumers(
+    url: &str,
+    (database_url, schema): (&str, &str),
+    (once, window): (bool, u16),
+    seconds: Duration,
+) -> Consumed {
+    let run = Uuid::new_v4().simple().to_string();
+    let queue = format!("bench-{run}");
+    let count = FILL_PER_SECOND * seconds.as_secs() as usize;
+    let published = fill(url, &queue, &run, count).await;
+    let mut shippings = Vec::new();
+    for n in 0..CONSUMERS {
+        let options: PgConnectOptions = database_url.parse().unwrap();
+        let pool = PgPoolOptions::new()
+            .max_connections(u32::from(PREFETCH))
+            .connect_with(options.options([("search_path", schema)]))
+            .await
+            .unwrap();
+        let lease = Duration::from_secs(30);
+        let consumer = format!("consumer-{n}");
+        let shipping = shipping::Shipping::on(pool.clone(), consumer, Duration::ZERO, lease);
+        shippings.push((shipping.await, pool));
+    }
+    let acked = Arc::new(AtomicU64::new(0));
+    let before = Reading::now(&shippings[0].1).await;
+    let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + seconds;
+    let consumers = shippings.iter().map(|(shipping, pool)| {
+        let (acked, kind) = (Arc::clone(&acked), (once, window));
+        consume(
+            url, &queue, shipping, pool, kind, deadline, acked, published,
+        )
+    });
+    let lasts = futures_util::future::join_all(consumers).await;
+    let elapsed = lasts.into_iter().max().unwrap_or(started) - started;
+    let acked = acked.load(Relaxed);
+    let after = Reading::now(&shippings[0].1).await;
+    let (rows, distinct): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT order_id) FROM shipments WHERE order_id LIKE $1",
+    )
+    .bind(format!("{run}-%"))
+    .fetch_one(&shippings[0].1)
+    .await
+    .unwrap();
+    assert_eq!(rows, distinct, "an order shipped twice");
+    assert!(rows as u64 >= acked, "{acked} acknowledged, {rows} shipped");
+    for (_, pool) in &shippings {
+        pool.close().await;
+    }
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    let _ = connection.close(200, "measured".into()).await;
+    Consumed {
+        rate: acked as f64 / elapsed.as_secs_f64(),
+        ..before.per_message(&after, acked)
+    }
+}
+
+/// Puts `count` orders on a new `queue`, their ids `<run>-<n>`; how many it put.
+async fn fill(url: &str, queue: &str, run: &str, count: usize) -> u64 {
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for n in 0..count {
+        let properties = BasicProperties::default().with_message_id(format!("{run}-{n}").into());
+        let payload = format!(r#"{{"sku":"item-{n}","quantity":1}}"#);
+        channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                payload.as_bytes(),
+                properties,
+            )
+            .await
+            .unwrap();
+    }
+    // Published without confirms, for speed: wait until the broker holds them all.
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    loop {
+        let declared = channel
+            .queue_declare(queue.into(), passive, FieldTable::default())
+            .await
+            .unwrap();
+        if declared.message_count() as usize >= count {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = connection.close(200, "filled".into()).await;
+    count as u64
+}
+
+/// One consumer until `deadline`, or until every one of `published` was acknowledged: when it
+/// acknowledged its last delivery.
+#[allow(clippy::too_many_arguments)]
+async fn consume(
+    url: &str,
+    queue: &str,
+    shipping: &shipping::Shipping,
+    pool: &PgPool,
+    (once, window): (bool, u16),
+    deadline: tokio::time::Instant,
+    acked: Arc<AtomicU64>,
+    published: u64,
+) -> Instant {
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .basic_qos(PREFETCH, Default::default())
+        .await
+        .unwrap();
+    let deliveries = channel
+        .basic_consume(
+            queue.into(),
+            format!("bench-{}", Uuid::new_v4().simple()).as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let last = std::sync::Mutex::new(Instant::now());
+    let drained = || acked.load(Relaxed) >= published;
+    deliveries
+        .take_until(tokio::time::sleep_until(deadline))
+        .take_while(|_| std::future::ready(!drained()))
+        .try_for_each_concurrent(usize::from(window), |delivery| {
+            let (acked, last) = (&acked, &last);
+            async move {
+                let order_id = delivery.properties.message_id().clone().unwrap_or_default();
+                let shipped = if once {
+                    shipping.ship(order_id.as_str(), &delivery.data).await
+                } else {
+                    ship_bare(pool, order_id.as_str()).await
+                };
+                assert!(shipped, "order {order_id} was not shipped");
+                delivery.ack(BasicAckOptions::default()).await?;
+                acked.fetch_add(1, Relaxed);
+                *last.lock().unwrap() = Instant::now();
+                Ok(())
+            }
+        })
+        .await
+        .unwrap();
+    let _ = connection.close(200, "consumed".into()).await;
+    last.into_inner().unwrap()
+}
+
+/// The shipment alone, in its own transaction, as the shipping step writes it without `Once`.
+async fn ship_bare(pool: &PgPool, order_id: &str) -> bool {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO shipments (order_id, consumer) VALUES ($1, 'bare')")
+        .bind(order_id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.is_ok()
+}
