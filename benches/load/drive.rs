@@ -215,10 +215,16 @@ pub(crate) async fn measure(
         cpu_us_per_req: cpu.as_secs_f64() * 1e6 / requests as f64,
         redis_us_per_req: matches!(
             setup,
-            "redis" | "redis-cluster" | "naive" | "tiered" | "valkey" | "naive-valkey"
+            "redis"
+                | "redis-cluster"
+                | "naive"
+                | "tiered"
+                | "tiered-single"
+                | "valkey"
+                | "naive-valkey"
         )
         .then(|| redis_cpu.as_secs_f64() * 1e6 / requests as f64),
-        postgres_us_per_req: (setup.starts_with("postgres") || setup == "tiered")
+        postgres_us_per_req: (setup.starts_with("postgres") || setup.starts_with("tiered"))
             .then(|| postgres_cpu.as_secs_f64() * 1e6 / requests as f64),
     }
 }

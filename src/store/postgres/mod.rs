@@ -102,14 +102,24 @@ struct Lanes {
 }
 
 impl Lanes {
-    /// Lanes for a store of `connections` connections, batches of at most `max_batch`: a quarter
-    /// of the connections each for claims and completions, which every request sends, so that
-    /// the store's other statements (settling a claim, the sweeper) always find connections
-    /// free; one lane each for releases and renewals, whose batches are rarer and small.
+    /// Lanes for a store of `connections` connections, batches of at most `max_batch`: an
+    /// eighth of the connections each for claims and completions, which every request sends
+    /// (two each of the default 16). Fewer lanes make larger batches under load, so fewer
+    /// statements, round trips and commits per key: in consecutive runs of the load bench
+    /// (BENCHMARKS.md, "Two lanes"), two lanes each served fresh keys at 51-54 µs of application
+    /// CPU and 114 µs of Postgres CPU a request, four at 71-82 and 164; one lane was no faster,
+    /// with a longer tail. One lane each for releases and renewals, whose batches are rarer.
+    /// With batches of one, a lane is a statement: every kind may use every connection, as
+    /// before batches.
     fn new(connections: usize, max_batch: usize) -> Self {
+        let lanes = if max_batch > 1 {
+            connections / 8
+        } else {
+            connections
+        };
         Self {
-            claims: Batches::new(connections / 4, max_batch),
-            completions: Batches::new(connections / 4, max_batch),
+            claims: Batches::new(lanes, max_batch),
+            completions: Batches::new(lanes, max_batch),
             releases: Batches::new(1, max_batch),
             renewals: Batches::new(1, max_batch),
         }
@@ -189,10 +199,11 @@ impl PostgresStore {
     }
 
     /// How many claims, completions, releases or renewals one statement carries at most (64 by
-    /// default). Those that arrive while the store's lanes for them (a quarter of its
+    /// default). Those that arrive while the store's lanes for them (an eighth of its
     /// connections each for claims and completions, one each for releases and renewals) are all
     /// sending go out together, one round trip and one commit for all of them; one that finds a
-    /// lane free goes out at once, alone. `1` sends each on its own statement.
+    /// lane free goes out at once, alone. `1` sends each on its own statement, up to one per
+    /// connection at once, as the store did before batches.
     pub fn with_max_batch(mut self, calls: usize) -> Self {
         self.max_batch = calls.max(1);
         self.reconnect();
