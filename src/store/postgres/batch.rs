@@ -279,24 +279,14 @@ impl Write for Completion {
         store: &'a PostgresStore,
         batch: &'a [Queued<Self>],
     ) -> BoxFuture<'a, Result<Vec<Option<Ownership>>, StoreError>> {
-        let column = |f: fn(&'a Self) -> _| batch.iter().map(|q| f(&q.call)).collect::<Vec<_>>();
+        let calls = calls(batch);
         let query = sqlx::query(COMPLETE_MANY)
-            .bind(column(|c| c.scope.as_str()))
-            .bind(column(|c| c.key.as_str()))
-            .bind(batch.iter().map(|q| q.call.owner).collect::<Vec<_>>())
-            .bind(batch.iter().map(|q| q.call.status).collect::<Vec<_>>())
-            .bind(
-                batch
-                    .iter()
-                    .map(|q| &q.call.response[..])
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                batch
-                    .iter()
-                    .map(|q| q.call.retention_ms)
-                    .collect::<Vec<_>>(),
-            );
+            .bind(column(&calls, |c| c.scope.as_str()))
+            .bind(column(&calls, |c| c.key.as_str()))
+            .bind(column(&calls, |c| c.owner))
+            .bind(column(&calls, |c| c.status))
+            .bind(column(&calls, |c| &c.response[..]))
+            .bind(column(&calls, |c| c.retention_ms));
         Box::pin(store.rows(query, batch.len(), |row| {
             Ok(match (row.try_get("completed")?, row.try_get("owned")?) {
                 (true, _) => Some(Ownership::Held),
@@ -336,20 +326,11 @@ impl Write for Release {
         store: &'a PostgresStore,
         batch: &'a [Queued<Self>],
     ) -> BoxFuture<'a, Result<Vec<Option<Ownership>>, StoreError>> {
+        let calls = calls(batch);
         let query = sqlx::query(RELEASE_MANY)
-            .bind(
-                batch
-                    .iter()
-                    .map(|q| q.call.scope.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                batch
-                    .iter()
-                    .map(|q| q.call.key.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(batch.iter().map(|q| q.call.owner).collect::<Vec<_>>());
+            .bind(column(&calls, |c| c.scope.as_str()))
+            .bind(column(&calls, |c| c.key.as_str()))
+            .bind(column(&calls, |c| c.owner));
         Box::pin(store.rows(query, batch.len(), |row| {
             let flags = (
                 row.try_get("released")?,
@@ -372,7 +353,7 @@ impl Write for Renewal {
     /// The set-based statement with one renewal: it never waits on a row lock either.
     fn one<'a>(&'a self, store: &'a PostgresStore) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
-            let query = renew_many([self]);
+            let query = renew_many(&[self]);
             let answer = store.rows(query, 1, renewal_verdict).await?.pop();
             Ok(answer.flatten().unwrap_or(Ownership::Lost))
         })
@@ -382,27 +363,30 @@ impl Write for Renewal {
         store: &'a PostgresStore,
         batch: &'a [Queued<Self>],
     ) -> BoxFuture<'a, Result<Vec<Option<Ownership>>, StoreError>> {
-        let query = renew_many(batch.iter().map(|q| &q.call));
+        let query = renew_many(&calls(batch));
         Box::pin(store.rows(query, batch.len(), renewal_verdict))
     }
 }
 
 /// [`RENEW_MANY`] with `renewals` bound.
 fn renew_many<'q>(
-    renewals: impl IntoIterator<Item = &'q Renewal> + Clone,
+    renewals: &[&'q Renewal],
 ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-    let column = |f: fn(&'q Renewal) -> _| renewals.clone().into_iter().map(f).collect::<Vec<_>>();
     sqlx::query(RENEW_MANY)
-        .bind(column(|r| r.scope.as_str()))
-        .bind(column(|r| r.key.as_str()))
-        .bind(
-            renewals
-                .clone()
-                .into_iter()
-                .map(|r| r.owner)
-                .collect::<Vec<_>>(),
-        )
-        .bind(renewals.into_iter().map(|r| r.lease_ms).collect::<Vec<_>>())
+        .bind(column(renewals, |r| r.scope.as_str()))
+        .bind(column(renewals, |r| r.key.as_str()))
+        .bind(column(renewals, |r| r.owner))
+        .bind(column(renewals, |r| r.lease_ms))
+}
+
+/// The calls of a batch, in order.
+fn calls<T>(batch: &[Queued<T>]) -> Vec<&T> {
+    batch.iter().map(|queued| &queued.call).collect()
+}
+
+/// One column of a set-based statement: `value` of each call, in order.
+fn column<'a, T, U>(calls: &[&'a T], value: impl Fn(&'a T) -> U) -> Vec<U> {
+    calls.iter().map(|call| value(call)).collect()
 }
 
 /// A renewal renewed is held; one whose row another transaction held locked is busy (tried

@@ -112,16 +112,16 @@ impl Lanes {
     /// With batches of one, a lane is a statement: every kind may use every connection, as
     /// before batches.
     fn new(connections: usize, max_batch: usize) -> Self {
-        let lanes = if max_batch > 1 {
-            connections / 8
+        let (busy, rare) = if max_batch > 1 {
+            (connections / 8, 1)
         } else {
-            connections
+            (connections, connections)
         };
         Self {
-            claims: Batches::new(lanes, max_batch),
-            completions: Batches::new(lanes, max_batch),
-            releases: Batches::new(1, max_batch),
-            renewals: Batches::new(1, max_batch),
+            claims: Batches::new(busy, max_batch),
+            completions: Batches::new(busy, max_batch),
+            releases: Batches::new(rare, max_batch),
+            renewals: Batches::new(rare, max_batch),
         }
     }
 }
