@@ -18,17 +18,55 @@ pub fn example_command(name: &str, env: &[(&str, String)]) -> Command {
     command
 }
 
-/// The path of an example binary; `cargo test` builds the examples before the tests.
+/// The path of an example binary; `cargo test` builds the examples before the tests. One older
+/// than any of the crate's sources is refused: a lone `cargo test --test brokers` does not build
+/// the examples, and would run whatever an earlier build left.
 pub fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let target = exe.parent().and_then(|deps| deps.parent()).unwrap();
     let path = target.join("examples").join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo test`, which builds examples",
-        path.display()
-    );
+    let built = match path.metadata().and_then(|m| m.modified()) {
+        Ok(built) => built,
+        Err(_) => panic!(
+            "{} is missing: run `cargo test --all-features`, which builds the examples",
+            path.display()
+        ),
+    };
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let sources = ["src", "examples", "lua", "migrations"].map(|dir| root.join(dir));
+    if let Some((_, newer)) = newest(&sources).filter(|(changed, _)| *changed > built) {
+        panic!(
+            "{} is older than {}: run `cargo test --all-features` (or `cargo build \
+             --all-features --examples`), which builds the examples",
+            path.display(),
+            newer.display()
+        );
+    }
     path
+}
+
+/// The most recently modified file under `dirs`, and when.
+fn newest(dirs: &[PathBuf]) -> Option<(std::time::SystemTime, PathBuf)> {
+    let mut newest: Option<(std::time::SystemTime, PathBuf)> = None;
+    let mut pending = dirs.to_vec();
+    while let Some(dir) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let Ok(metadata) = entry.metadata() else {
+                continue;
+            };
+            if metadata.is_dir() {
+                pending.push(entry.path());
+            } else if let Ok(modified) = metadata.modified()
+                && newest.as_ref().is_none_or(|(time, _)| modified > *time)
+            {
+                newest = Some((modified, entry.path()));
+            }
+        }
+    }
+    newest
 }
 
 /// A child process killed when dropped, so a failing test leaves nothing running. Its output
