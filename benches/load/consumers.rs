@@ -75,30 +75,21 @@ pub(crate) struct Consumed {
     pub(crate) wal_bytes: f64,
 }
 
-/// Where Postgres and the processes stand: CPU so far, the next transaction id, the WAL's end.
+/// Where Postgres and the processes stand: CPU so far, and the cluster's position.
 struct Reading {
     app: Duration,
     postgres: Duration,
     rabbitmq: Duration,
-    next_xid: i64,
-    wal: i64,
+    position: PostgresPosition,
 }
 
 impl Reading {
     async fn now(pool: &PgPool) -> Self {
-        let (next_xid, wal): (i64, i64) = sqlx::query_as(
-            "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::int8,
-                    (pg_current_wal_lsn() - '0/0')::int8",
-        )
-        .fetch_one(pool)
-        .await
-        .unwrap();
         Self {
             app: process_cpu(std::process::id()),
             postgres: postgres_cpu(),
             rabbitmq: programs_cpu("beam.smp"),
-            next_xid,
-            wal,
+            position: PostgresPosition::read(pool).await,
         }
     }
 
@@ -111,8 +102,8 @@ impl Reading {
             app_us: us(self.app, later.app),
             postgres_us: us(self.postgres, later.postgres),
             rabbitmq_us: us(self.rabbitmq, later.rabbitmq),
-            transactions: (later.next_xid - self.next_xid) as f64 / n,
-            wal_bytes: (later.wal - self.wal) as f64 / n,
+            transactions: later.position.since(&self.position).0 as f64 / n,
+            wal_bytes: later.position.since(&self.position).1 as f64 / n,
         }
     }
 }

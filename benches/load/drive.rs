@@ -77,8 +77,9 @@ pub(crate) async fn drive(mut options: Options) {
                 _ => &redis,
             };
             for &workload in workloads {
+                let stores = (server, &admin);
                 let run =
-                    measure(setup, workload, &env, server, options.connections, seconds).await;
+                    measure(setup, workload, &env, stores, options.connections, seconds).await;
                 eprintln!("round {round} {setup:>8} {workload:>6}: {run:?}");
                 runs.entry((setup.to_string(), workload.to_string()))
                     .or_default()
@@ -139,10 +140,11 @@ pub(crate) async fn measure(
     setup: &str,
     workload: &'static str,
     env: &str,
-    redis: &RedisServer,
+    (redis, admin): (&RedisServer, &sqlx::PgPool),
     connections: usize,
     seconds: Duration,
 ) -> Run {
+    let on_postgres = setup.starts_with("postgres") || setup.starts_with("tiered");
     let port = free_port();
     let mut server = Command::new(std::env::current_exe().unwrap())
         .args(["--serve", setup, &port.to_string(), env])
@@ -184,6 +186,7 @@ pub(crate) async fn measure(
     let cpu_before = process_cpu(server.id());
     let redis_before = redis.cpu();
     let postgres_before = postgres_cpu();
+    let position_before = PostgresPosition::read(admin).await;
     let started = Instant::now();
     let mut latencies = match workload {
         "fresh" => load(address, connections, seconds, &run_id, "fresh").await,
@@ -194,6 +197,7 @@ pub(crate) async fn measure(
     let peak_rss_mib = peak_rss_kib(server.id()) as f64 / 1024.0;
     let redis_cpu = redis.cpu() - redis_before;
     let postgres_cpu = postgres_cpu().saturating_sub(postgres_before);
+    let written = PostgresPosition::read(admin).await.since(&position_before);
     let _ = server.kill();
     let _ = server.wait();
     let redis_bytes_per_key = match (setup, workload) {
@@ -224,8 +228,13 @@ pub(crate) async fn measure(
                 | "naive-valkey"
         )
         .then(|| redis_cpu.as_secs_f64() * 1e6 / requests as f64),
-        postgres_us_per_req: (setup.starts_with("postgres") || setup.starts_with("tiered"))
+        postgres_us_per_req: on_postgres
             .then(|| postgres_cpu.as_secs_f64() * 1e6 / requests as f64),
+        postgres_written_per_req: on_postgres.then(|| {
+            let (transactions, wal) = written;
+            let n = requests.max(1) as f64;
+            (transactions as f64 / n, wal as f64 / n)
+        }),
     }
 }
 
@@ -330,6 +339,31 @@ pub(crate) fn try_process_cpu(pid: u32) -> Option<Duration> {
     let fields: Vec<&str> = stat[stat.rfind(')')? + 2..].split(' ').collect();
     let ticks: u64 = fields[11].parse::<u64>().ok()? + fields[12].parse::<u64>().ok()?;
     Some(Duration::from_secs_f64(ticks as f64 / clock_ticks() as f64))
+}
+
+/// Where the Postgres cluster stands: the next transaction id it will assign (a write
+/// transaction takes one, so the difference counts commits and rollbacks) and the end of its WAL.
+pub(crate) struct PostgresPosition {
+    next_xid: i64,
+    wal: i64,
+}
+
+impl PostgresPosition {
+    pub(crate) async fn read(pool: &sqlx::PgPool) -> Self {
+        let (next_xid, wal) = sqlx::query_as(
+            "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::int8,
+                    (pg_current_wal_lsn() - '0/0')::int8",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        Self { next_xid, wal }
+    }
+
+    /// Write transactions and WAL bytes since `earlier`.
+    pub(crate) fn since(&self, earlier: &Self) -> (i64, i64) {
+        (self.next_xid - earlier.next_xid, self.wal - earlier.wal)
+    }
 }
 
 /// The CPU time of every `postgres` process so far (backends come and go: a process that

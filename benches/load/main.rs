@@ -149,6 +149,8 @@ struct Run {
     redis_us_per_req: Option<f64>,
     /// CPU of every `postgres` process on this machine per request (the server is local).
     postgres_us_per_req: Option<f64>,
+    /// Write transactions (commits) and WAL bytes per request, on Postgres-backed setups.
+    postgres_written_per_req: Option<(f64, f64)>,
 }
 
 /// The Redis servers of the run: the one server, and the cluster and the Valkey server when the

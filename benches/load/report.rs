@@ -17,9 +17,9 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
         options.connections, options.seconds, options.rounds
     );
     println!(
-        "| setup | workload | req/s | p50 µs | p99 µs | max ms | server CPU µs/req | Redis CPU µs/req | Postgres CPU µs/req | server peak RSS MiB | × bare |"
+        "| setup | workload | req/s | p50 µs | p99 µs | max ms | server CPU µs/req | Redis CPU µs/req | Postgres CPU µs/req | Postgres commits/req | WAL B/req | server peak RSS MiB | × bare |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for setup in SETUPS {
         for workload in ["fresh", "replay"] {
             let Some(list) = get(setup, workload) else {
@@ -39,8 +39,22 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
             } else {
                 "–".into()
             };
+            let (commits, wal) = if list[0].postgres_written_per_req.is_some() {
+                (
+                    format!(
+                        "{:.2}",
+                        m(|r| r.postgres_written_per_req.unwrap_or_default().0)
+                    ),
+                    format!(
+                        "{:.0}",
+                        m(|r| r.postgres_written_per_req.unwrap_or_default().1)
+                    ),
+                )
+            } else {
+                ("–".into(), "–".into())
+            };
             println!(
-                "| {setup} | {workload} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {redis} | {postgres} | {:.0} | {vs_bare} |",
+                "| {setup} | {workload} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {redis} | {postgres} | {commits} | {wal} | {:.0} | {vs_bare} |",
                 m(|r| r.rps),
                 m(|r| r.p50_us as f64),
                 m(|r| r.p99_us as f64),
