@@ -11,10 +11,10 @@
 //! payload as its body. The consumer takes up to `PREFETCH` messages unacknowledged and works
 //! on all of them at once; each goes through `Once::run` (see `consumers/shipping.rs`): a
 //! message delivered twice (published twice, or redelivered after a consumer died with it
-//! unacknowledged) ships once. A message
-//! that was delivered is acknowledged; one that was not (the work failed, or another delivery
-//! still ran it after the wait) is handed back (`basic.nack`, requeued), so that RabbitMQ
-//! delivers it again. A lost connection (the broker restarted) is made again.
+//! unacknowledged) ships once. A message that was delivered is acknowledged; one that was not
+//! (the work failed, or another delivery still ran it after the wait) is handed back
+//! (`basic.nack`, requeued), so that RabbitMQ delivers it again. A lost connection (the broker
+//! restarted) is made again.
 //!
 //! | variable | effect |
 //! |---|---|

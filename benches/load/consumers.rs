@@ -93,17 +93,18 @@ impl Reading {
         }
     }
 
-    /// What happened since `self`, per message of `messages`.
-    fn per_message(&self, later: &Self, messages: u64) -> Consumed {
+    /// What `messages` shipped in `elapsed` cost, from `self` to `later`.
+    fn per_message(&self, later: &Self, messages: u64, elapsed: Duration) -> Consumed {
         let n = messages.max(1) as f64;
         let us = |a: Duration, b: Duration| b.saturating_sub(a).as_secs_f64() * 1e6 / n;
+        let (transactions, wal) = later.position.since(&self.position);
         Consumed {
-            rate: 0.0,
+            rate: messages as f64 / elapsed.as_secs_f64(),
             app_us: us(self.app, later.app),
             postgres_us: us(self.postgres, later.postgres),
             rabbitmq_us: us(self.rabbitmq, later.rabbitmq),
-            transactions: later.position.since(&self.position).0 as f64 / n,
-            wal_bytes: later.position.since(&self.position).1 as f64 / n,
+            transactions: transactions as f64 / n,
+            wal_bytes: wal as f64 / n,
         }
     }
 }
@@ -119,15 +120,11 @@ pub(crate) async fn measure_consumers(
     let run = Uuid::new_v4().simple().to_string();
     let queue = format!("bench-{run}");
     let count = FILL_PER_SECOND * seconds.as_secs() as usize;
-    let published = fill(url, &queue, &run, count).await;
+    fill(url, &queue, &run, count).await;
+    let published = count as u64;
     let mut shippings = Vec::new();
     for n in 0..CONSUMERS {
-        let options: PgConnectOptions = database_url.parse().unwrap();
-        let pool = PgPoolOptions::new()
-            .max_connections(u32::from(PREFETCH))
-            .connect_with(options.options([("search_path", schema)]))
-            .await
-            .unwrap();
+        let pool = pool_in(database_url, schema, u32::from(PREFETCH)).await;
         let lease = Duration::from_secs(30);
         let consumer = format!("consumer-{n}");
         let shipping = shipping::Shipping::on(pool.clone(), consumer, Duration::ZERO, lease);
@@ -168,14 +165,11 @@ pub(crate) async fn measure_consumers(
         .await
         .unwrap();
     let _ = connection.close(200, "measured".into()).await;
-    Consumed {
-        rate: acked as f64 / elapsed.as_secs_f64(),
-        ..before.per_message(&after, acked)
-    }
+    before.per_message(&after, acked, elapsed)
 }
 
-/// Puts `count` orders on a new `queue`, their ids `<run>-<n>`; how many it put.
-async fn fill(url: &str, queue: &str, run: &str, count: usize) -> u64 {
+/// Puts `count` orders on a new `queue`, their ids `<run>-<n>`.
+async fn fill(url: &str, queue: &str, run: &str, count: usize) {
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
         .unwrap();
@@ -226,7 +220,6 @@ async fn fill(url: &str, queue: &str, run: &str, count: usize) -> u64 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let _ = connection.close(200, "filled".into()).await;
-    count as u64
 }
 
 /// One consumer until `deadline`, or until every one of `published` was acknowledged: when it

@@ -186,7 +186,10 @@ pub(crate) async fn measure(
     let cpu_before = process_cpu(server.id());
     let redis_before = redis.cpu();
     let postgres_before = postgres_cpu();
-    let position_before = PostgresPosition::read(admin).await;
+    let position_before = match on_postgres {
+        true => Some(PostgresPosition::read(admin).await),
+        false => None,
+    };
     let started = Instant::now();
     let mut latencies = match workload {
         "fresh" => load(address, connections, seconds, &run_id, "fresh").await,
@@ -197,7 +200,10 @@ pub(crate) async fn measure(
     let peak_rss_mib = peak_rss_kib(server.id()) as f64 / 1024.0;
     let redis_cpu = redis.cpu() - redis_before;
     let postgres_cpu = postgres_cpu().saturating_sub(postgres_before);
-    let written = PostgresPosition::read(admin).await.since(&position_before);
+    let written = match &position_before {
+        Some(before) => Some(PostgresPosition::read(admin).await.since(before)),
+        None => None,
+    };
     let _ = server.kill();
     let _ = server.wait();
     let redis_bytes_per_key = match (setup, workload) {
@@ -217,21 +223,14 @@ pub(crate) async fn measure(
         p99_us: at(0.99),
         max_us: at(1.0),
         cpu_us_per_req: cpu.as_secs_f64() * 1e6 / requests as f64,
-        redis_us_per_req: matches!(
+        redis_us_per_req: (matches!(
             setup,
-            "redis"
-                | "redis-cluster"
-                | "naive"
-                | "tiered"
-                | "tiered-single"
-                | "valkey"
-                | "naive-valkey"
-        )
+            "redis" | "redis-cluster" | "naive" | "valkey" | "naive-valkey"
+        ) || setup.starts_with("tiered"))
         .then(|| redis_cpu.as_secs_f64() * 1e6 / requests as f64),
         postgres_us_per_req: on_postgres
             .then(|| postgres_cpu.as_secs_f64() * 1e6 / requests as f64),
-        postgres_written_per_req: on_postgres.then(|| {
-            let (transactions, wal) = written;
+        postgres_written_per_req: written.map(|(transactions, wal)| {
             let n = requests.max(1) as f64;
             (transactions as f64 / n, wal as f64 / n)
         }),

@@ -40,19 +40,12 @@ pub(crate) async fn measure_floors(
         let floor = store_floor(Arc::new(store), tasks, seconds).await;
         floors.push(("redis-cluster", floor));
     }
-    if options.only.iter().any(|s| s == "postgres") {
-        let store = postgres_store(database_url, schema).await;
-        floors.push((
-            "postgres",
-            store_floor(Arc::new(store), tasks, seconds).await,
-        ));
-    }
-    if options.only.iter().any(|s| s == "postgres-single") {
-        let store = postgres_store(database_url, schema).await.with_max_batch(1);
-        floors.push((
-            "postgres-single",
-            store_floor(Arc::new(store), tasks, seconds).await,
-        ));
+    for setup in ["postgres", "postgres-single"] {
+        if options.only.iter().any(|s| s == setup) {
+            let store = postgres_store(database_url, schema).await;
+            let store = store.with_max_batch(max_batch(setup));
+            floors.push((setup, store_floor(Arc::new(store), tasks, seconds).await));
+        }
     }
     if options.only.iter().any(|s| s == "postgres-partitioned") {
         let store = postgres_store(database_url, &partitioned(schema)).await;
@@ -61,13 +54,13 @@ pub(crate) async fn measure_floors(
             store_floor(Arc::new(store), tasks, seconds).await,
         ));
     }
-    for (setup, batch) in [("tiered", DEFAULT_POSTGRES_BATCH), ("tiered-single", 1)] {
+    for setup in ["tiered", "tiered-single"] {
         if options.only.iter().any(|s| s == setup) {
             let store = TieredStore::new(
                 redis_store(&redis.url(), &format!("floor:{}:", Uuid::new_v4().simple())),
                 postgres_store(database_url, schema)
                     .await
-                    .with_max_batch(batch),
+                    .with_max_batch(max_batch(setup)),
             );
             floors.push((setup, store_floor(Arc::new(store), tasks, seconds).await));
         }

@@ -54,25 +54,19 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
                 "redis" => layered(Arc::new(redis_store(&redis_url, &prefix))),
                 "valkey" => layered(Arc::new(redis_store(&valkey_url, &prefix))),
                 "redis-cluster" => layered(Arc::new(cluster_store(&cluster, &prefix))),
-                "postgres" => layered(Arc::new(postgres_store(&database_url, &schema).await)),
-                // Each completion on its own statement: the store before batches.
-                "postgres-single" => layered(Arc::new(
+                "postgres" | "postgres-single" => layered(Arc::new(
                     postgres_store(&database_url, &schema)
                         .await
-                        .with_max_batch(1),
+                        .with_max_batch(max_batch(&setup)),
                 )),
                 "postgres-partitioned" => layered(Arc::new(
                     postgres_store(&database_url, &partitioned(&schema)).await,
                 )),
-                "tiered" => layered(Arc::new(TieredStore::new(
-                    redis_store(&redis_url, &prefix),
-                    postgres_store(&database_url, &schema).await,
-                ))),
-                "tiered-single" => layered(Arc::new(TieredStore::new(
+                "tiered" | "tiered-single" => layered(Arc::new(TieredStore::new(
                     redis_store(&redis_url, &prefix),
                     postgres_store(&database_url, &schema)
                         .await
-                        .with_max_batch(1),
+                        .with_max_batch(max_batch(&setup)),
                 ))),
                 "naive" | "naive-valkey" => {
                     let url = if setup == "naive" {
@@ -116,14 +110,29 @@ pub(crate) fn partitioned(schema: &str) -> String {
     format!("{schema}_partitioned")
 }
 
-pub(crate) async fn postgres_store(url: &str, schema: &str) -> PostgresStore {
+/// How many claims or completions a setup's Postgres store sends in one statement: one for the
+/// `-single` setups (each call on its own statement: the store before batches), the store's
+/// default otherwise.
+pub(crate) fn max_batch(setup: &str) -> usize {
+    if setup.ends_with("-single") {
+        1
+    } else {
+        DEFAULT_POSTGRES_BATCH
+    }
+}
+
+/// A pool of at most `connections` in `schema` of the Postgres at `url`.
+pub(crate) async fn pool_in(url: &str, schema: &str, connections: u32) -> sqlx::PgPool {
     let options: PgConnectOptions = url.parse().unwrap();
-    let pool = PgPoolOptions::new()
-        .max_connections(16)
+    PgPoolOptions::new()
+        .max_connections(connections)
         .connect_with(options.options([("search_path", schema)]))
         .await
-        .unwrap();
-    PostgresStore::new(pool)
+        .unwrap()
+}
+
+pub(crate) async fn postgres_store(url: &str, schema: &str) -> PostgresStore {
+    PostgresStore::new(pool_in(url, schema, 16).await)
 }
 
 /// The naive guard's claim: `SET key "" NX EX 86400`; whether it set the key.

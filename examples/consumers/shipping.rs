@@ -26,7 +26,8 @@ pub fn millis(name: &str, default: u64) -> Duration {
     )
 }
 
-/// Connections of the store's own: a quarter of them is a lane each for claims and completions.
+/// Connections of the store's own: fewer than 8, so one lane each for claims and completions,
+/// and a window's deliveries share their statements.
 const STORE_CONNECTIONS: usize = 4;
 
 /// The pool's, for the shipments' transactions: a prefetch window of 10 handled at once.
