@@ -73,18 +73,39 @@ pub(crate) async fn get_payment(
 
 /// The example's own table. Instances starting together would race on `CREATE TABLE IF NOT
 /// EXISTS`; an advisory lock lets one at a time in.
-pub(crate) async fn create_payments_table(pool: &PgPool) -> Result<(), sqlx::Error> {
+///
+/// On a Citus coordinator (`citus`), `idempotency_keys` is distributed by key and `payments` by
+/// `idempotency_key`, co-located with it: a payment's rows and its key are on one shard, so each
+/// step's transaction (a payment statement and the fence) runs on one worker, without two-phase
+/// commit. Citus wants the distribution column in every unique constraint: the primary key is
+/// then `(idempotency_key, id)`.
+pub(crate) async fn create_payments_table(pool: &PgPool, citus: bool) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext('tower-idempotency payments example'))")
         .execute(&mut *tx)
         .await?;
-    sqlx::query(
+    let primary_key = if citus { "idempotency_key, id" } else { "id" };
+    sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE IF NOT EXISTS payments (
-             id text PRIMARY KEY, amount_cents bigint NOT NULL, currency text NOT NULL,
+             id text NOT NULL, amount_cents bigint NOT NULL, currency text NOT NULL,
              customer text NOT NULL, status text NOT NULL, charge_id text NOT NULL,
-             idempotency_key text NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
-    )
+             idempotency_key text NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+             PRIMARY KEY ({primary_key}))"
+    )))
     .execute(&mut *tx)
     .await?;
+    if citus {
+        sqlx::raw_sql(tower_idempotency::store::DISTRIBUTE_ON_CITUS)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "SELECT create_distributed_table('payments', 'idempotency_key',
+                                             colocate_with => 'idempotency_keys')
+             WHERE NOT EXISTS (SELECT 1 FROM pg_dist_partition
+                               WHERE logicalrelid = 'payments'::regclass)",
+        )
+        .execute(&mut *tx)
+        .await?;
+    }
     tx.commit().await
 }

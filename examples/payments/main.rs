@@ -279,13 +279,17 @@ async fn record_result(
     payment: &Payment,
 ) -> Result<http::Response<Bytes>, Response> {
     let mut tx = pool.begin().await.map_err(unavailable)?;
-    sqlx::query("UPDATE payments SET status = $2, charge_id = $3 WHERE id = $1")
-        .bind(&payment.id)
-        .bind(&payment.status)
-        .bind(&payment.charge_id)
-        .execute(&mut *tx)
-        .await
-        .map_err(unavailable)?;
+    // The key too, which routes the statement to one shard on Citus (see the payments table).
+    sqlx::query(
+        "UPDATE payments SET status = $2, charge_id = $3 WHERE id = $1 AND idempotency_key = $4",
+    )
+    .bind(&payment.id)
+    .bind(&payment.status)
+    .bind(&payment.charge_id)
+    .bind(&payment.idempotency_key)
+    .execute(&mut *tx)
+    .await
+    .map_err(unavailable)?;
     let response = created(payment);
     let fenced = if state.answer_with_fence {
         claim.commit_with_response(&mut tx, &response).await

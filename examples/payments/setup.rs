@@ -83,11 +83,27 @@ async fn postgres_store(url: &str) -> PostgresStore {
         .migrate()
         .await
         .unwrap_or_else(|e| fail("migrations", e));
-    create_payments_table(&pool)
+    let citus = on_citus(&pool)
+        .await
+        .unwrap_or_else(|e| fail("DATABASE_URL", e));
+    create_payments_table(&pool, citus)
         .await
         .unwrap_or_else(|e| fail("creating the payments table", e));
+    let store = if citus {
+        tracing::info!("on a Citus coordinator: the keys and the payments are sharded by key");
+        store.on_citus()
+    } else {
+        store
+    };
     store.spawn_sweeper(Duration::from_secs(60));
     store
+}
+
+/// Whether `DATABASE_URL` is a Citus coordinator (the extension is there, with workers).
+async fn on_citus(pool: &sqlx::PgPool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')")
+        .fetch_one(pool)
+        .await
 }
 
 /// A Prometheus recorder for the crate's metrics, latencies as histograms with the crate's

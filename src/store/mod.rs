@@ -59,7 +59,8 @@ pub use memory::{DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MAX_ENTRIES, MemorySto
 #[cfg(feature = "postgres")]
 pub use postgres::{
     DEFAULT_POSTGRES_BATCH, DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_TIMEOUT,
-    DEFAULT_SWEEP_BATCH, FenceError, MIGRATOR, PARTITION_BY_HASH, PostgresStore, RecoveryPoint,
+    DEFAULT_SWEEP_BATCH, DISTRIBUTE_ON_CITUS, FenceError, MIGRATOR, PARTITION_BY_HASH,
+    PostgresStore, RecoveryPoint,
 };
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::{advance, commit, recovery_point};

@@ -303,11 +303,19 @@ pub struct PgCluster {
     pub port: u16,
     bin: PathBuf,
     running: bool,
+    /// Server settings beyond the defaults, `-c name=value` each.
+    settings: Vec<String>,
 }
 
 impl PgCluster {
     pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// A cluster started with `settings` (`name=value`) beyond the defaults.
+    pub async fn start_with(settings: &[&str]) -> Self {
         let mut cluster = Self::unstarted();
+        cluster.settings = settings.iter().map(|s| format!("-c {s}")).collect();
         let initdb = cluster
             .command("initdb")
             .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
@@ -399,6 +407,7 @@ impl PgCluster {
             port: free_port(),
             bin,
             running: false,
+            settings: Vec::new(),
         }
     }
 
@@ -422,9 +431,10 @@ impl PgCluster {
 
     pub async fn start_server(&mut self) {
         let options = format!(
-            "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off",
+            "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off {}",
             self.port,
-            self.dir.display()
+            self.dir.display(),
+            self.settings.join(" ")
         );
         let log = self.dir.join("log");
         self.pg_ctl(&["-l", log.to_str().unwrap(), "-o", &options, "-w", "start"]);
@@ -473,6 +483,115 @@ fn cluster_user() -> String {
 
 fn running_as_root() -> bool {
     Command::new("id").arg("-u").output().unwrap().stdout == b"0\n"
+}
+
+impl PgCluster {
+    /// Stops the server and removes its directory once this test process has exited, however
+    /// it exits: for a cluster kept in a `static`, which is never dropped.
+    pub fn stop_when_this_process_exits(&self) {
+        let stop = format!(
+            "while [ -e /proc/{pid} ]; do sleep 0.5; done; \
+             {pg_ctl} -D {data} -m immediate -w stop >/dev/null 2>&1; rm -rf {dir}",
+            pid = std::process::id(),
+            pg_ctl = self.bin.join("pg_ctl").display(),
+            data = self.dir.join("data").display(),
+            dir = self.dir.display(),
+        );
+        let mut watchdog = if running_as_root() {
+            let mut command = Command::new("runuser");
+            command.args(["-u", &cluster_user(), "--", "sh", "-c", &stop]);
+            command
+        } else {
+            let mut command = Command::new("sh");
+            command.args(["-c", &stop]);
+            command
+        };
+        // Never waited for: it outlives this process, which is the point.
+        #[allow(clippy::zombie_processes)]
+        watchdog
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the watchdog that stops the cluster");
+    }
+}
+
+/// A Citus cluster of the test's own: a coordinator and workers, each a [`PgCluster`] with
+/// Citus loaded, the workers added to the coordinator. Citus must be installed in the
+/// machine's PostgreSQL (`../shared/vendor/citus/install.sh`, which `.ci/run` runs).
+pub struct CitusCluster {
+    pub coordinator: PgCluster,
+    pub workers: Vec<PgCluster>,
+}
+
+impl CitusCluster {
+    /// A coordinator and `workers` workers.
+    pub async fn start(workers: usize) -> Self {
+        let settings = [
+            "shared_preload_libraries=citus",
+            "max_connections=300",
+            // Shards are moved by logical replication.
+            "wal_level=logical",
+        ];
+        let coordinator = PgCluster::start_with(&settings).await;
+        let mut nodes = Vec::new();
+        for _ in 0..workers {
+            nodes.push(PgCluster::start_with(&settings).await);
+        }
+        for node in std::iter::once(&coordinator).chain(&nodes) {
+            let created = node.execute("CREATE EXTENSION IF NOT EXISTS citus").await;
+            assert!(
+                created.is_ok(),
+                "Citus is not installed in this machine's PostgreSQL ({:?}): run \
+                 ../shared/vendor/citus/install.sh",
+                created.err()
+            );
+        }
+        let port = coordinator.port;
+        coordinator
+            .execute(&format!(
+                "SELECT citus_set_coordinator_host('127.0.0.1', {port})"
+            ))
+            .await
+            .unwrap();
+        for worker in &nodes {
+            let port = worker.port;
+            coordinator
+                .execute(&format!("SELECT citus_add_node('127.0.0.1', {port})"))
+                .await
+                .unwrap();
+        }
+        Self {
+            coordinator,
+            workers: nodes,
+        }
+    }
+
+    /// The coordinator, where the store and the applications connect.
+    pub fn url(&self) -> String {
+        self.coordinator.url()
+    }
+
+    /// See [`PgCluster::stop_when_this_process_exits`], for every node.
+    pub fn stop_when_this_process_exits(&self) {
+        self.coordinator.stop_when_this_process_exits();
+        for worker in &self.workers {
+            worker.stop_when_this_process_exits();
+        }
+    }
+}
+
+impl PgCluster {
+    /// Runs `sql` (one or more statements) on this cluster's `postgres` database.
+    pub async fn execute(&self, sql: &str) -> Result<(), sqlx::Error> {
+        use sqlx::Connection;
+        let mut connection = sqlx::PgConnection::connect(&self.url()).await?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&mut connection)
+            .await?;
+        connection.close().await
+    }
 }
 
 impl Drop for PgCluster {

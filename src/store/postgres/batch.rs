@@ -196,6 +196,14 @@ impl PostgresStore {
     /// the lane goes on. A batch of many that fails is sent again write by write, so that
     /// whatever failed it fails only its own key.
     async fn send<T: Write>(&self, batch: Vec<Queued<T>>) {
+        if self.distributed {
+            // Statements routed to one shard each (`PostgresStore::on_citus`): alone.
+            for queued in batch {
+                let answer = queued.call.one(self).await;
+                let _ = queued.answer.send(answer);
+            }
+            return;
+        }
         if batch.len() > 1 {
             tracing::debug!(writes = batch.len(), "{} sent together", T::KIND);
         }
@@ -350,10 +358,14 @@ impl Write for Release {
 impl Write for Renewal {
     const KIND: &'static str = "renewals";
 
-    /// The set-based statement with one renewal: it never waits on a row lock either.
+    /// [`RENEW`]: it never waits on a row lock either.
     fn one<'a>(&'a self, store: &'a PostgresStore) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
-            let query = renew_many(&[self]);
+            let query = sqlx::query(RENEW)
+                .bind(&self.scope)
+                .bind(&self.key)
+                .bind(self.owner)
+                .bind(self.lease_ms);
             let answer = store.rows(query, 1, renewal_verdict).await?.pop();
             Ok(answer.flatten().unwrap_or(Ownership::Lost))
         })

@@ -121,7 +121,11 @@ impl PostgresStore {
             connection.give_back(&Ok::<(), sqlx::Error>(()));
             return Ok(answers);
         }
-        let rows = claim_many(&sent).fetch_all(&mut *connection).await;
+        let rows = if self.distributed {
+            claim_each(&mut connection, &sent).await
+        } else {
+            claim_many(&sent).fetch_all(&mut *connection).await
+        };
         // A claim without a row reads its key again.
         for (i, _, _) in &sent {
             answers[*i] = Ok(Claimed::Again);
@@ -182,6 +186,45 @@ fn claim_many<'q>(
         .bind(owners)
         .bind(leases)
         .bind(left)
+}
+
+/// The claims `sent` one by one, as statements routed to each key's shard (a distributed
+/// table, see [`PostgresStore::on_citus`]): [`CLAIM_INSERT`], then [`CLAIM_READ`] when there was
+/// a row. The rows [`CLAIM_MANY`] would have answered. Without the caller's time on the server:
+/// Citus evaluates `clock_timestamp()` on the coordinator, before the statement reaches the
+/// worker, so it could not bound a wait there.
+async fn claim_each(
+    connection: &mut PgConnection,
+    sent: &[(usize, &Queued, Duration)],
+) -> Result<Vec<PgRow>, sqlx::Error> {
+    let mut rows = Vec::with_capacity(sent.len());
+    for (n, (_, queued, _)) in (1_i64..).zip(sent) {
+        let (scope, key) = (queued.record.scope(), queued.record.key().as_str());
+        let inserted = sqlx::query(CLAIM_INSERT)
+            .bind(scope)
+            .bind(key)
+            .bind(&queued.fingerprint[..])
+            .bind(queued.owner)
+            .bind(millis(queued.lease))
+            .bind(n)
+            .fetch_optional(&mut *connection)
+            .await?;
+        let row = match inserted {
+            Some(row) => Some(row),
+            None => {
+                sqlx::query(CLAIM_READ)
+                    .bind(scope)
+                    .bind(key)
+                    .bind(&queued.fingerprint[..])
+                    .bind(queued.owner)
+                    .bind(n)
+                    .fetch_optional(&mut *connection)
+                    .await?
+            }
+        };
+        rows.extend(row);
+    }
+    Ok(rows)
 }
 
 /// What a row of [`CLAIM_MANY`] says: the outcome, or `None` for a row the claim must settle under
@@ -267,12 +310,14 @@ async fn settle_in(
         return Ok(Some(ClaimOutcome::Mismatch));
     }
     if !flag("live")? {
+        let fence: i64 = sqlx::query_scalar(NEXT_FENCE).fetch_one(&mut *tx).await?;
         let fence: i64 = sqlx::query_scalar(TAKE_OVER)
             .bind(record.scope())
             .bind(record.key().as_str())
             .bind(&request.fingerprint().as_bytes()[..])
             .bind(request.owner())
             .bind(millis(request.lease()))
+            .bind(fence)
             .fetch_one(&mut *tx)
             .await?;
         let fence = u64::try_from(fence).unwrap_or_default();

@@ -51,11 +51,24 @@ pub(super) struct Connections {
 }
 
 impl Connections {
-    /// Up to `max` connections made with `options`, plus the store's session settings.
-    pub(super) fn new(options: &PgConnectOptions, max: usize, statement_timeout: Duration) -> Self {
+    /// Up to `max` connections made with `options`, plus the store's session settings. On a
+    /// distributed table (`distributed`, Citus) every execution is planned with its values in:
+    /// Citus routes a generic plan's parameters only in its simplest statements, and refuses
+    /// the others ("could not create distributed plan").
+    pub(super) fn new(
+        options: &PgConnectOptions,
+        max: usize,
+        statement_timeout: Duration,
+        distributed: bool,
+    ) -> Self {
+        let plans = if distributed {
+            "force_custom_plan"
+        } else {
+            "force_generic_plan"
+        };
         let options = options.clone().options([
             ("enable_seqscan", "off".to_owned()),
-            ("plan_cache_mode", "force_generic_plan".to_owned()),
+            ("plan_cache_mode", plans.to_owned()),
             (
                 "statement_timeout",
                 statement_timeout.as_millis().max(1).to_string(),

@@ -81,3 +81,12 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
 /// applied to a partitioned table, it changes nothing.
 pub const PARTITION_BY_HASH: &str =
     include_str!("../../../migrations/optional/partition_by_hash.sql");
+
+/// The optional migration that distributes `idempotency_keys` on a Citus coordinator, sharded
+/// by key, and gives the fence functions the form Citus routes:
+/// `migrations/optional/distribute_on_citus.sql`, which says how to shard by scope instead. Not
+/// part of [`MIGRATOR`]: run it after it, and again after every migration
+/// (`sqlx::raw_sql(DISTRIBUTE_ON_CITUS).execute(&pool)`; idempotent), and build the store with
+/// [`PostgresStore::on_citus`](super::PostgresStore::on_citus).
+pub const DISTRIBUTE_ON_CITUS: &str =
+    include_str!("../../../migrations/optional/distribute_on_citus.sql");

@@ -26,7 +26,7 @@ use self::{
 };
 pub use self::{
     fence::{FenceError, RecoveryPoint},
-    migrations::{MIGRATOR, PARTITION_BY_HASH},
+    migrations::{DISTRIBUTE_ON_CITUS, MIGRATOR, PARTITION_BY_HASH},
 };
 use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
@@ -88,6 +88,8 @@ pub struct PostgresStore {
     timeout: Duration,
     sweep_batch: i64,
     max_batch: usize,
+    /// On a distributed table ([`on_citus`](Self::on_citus)): statements routed to one shard.
+    distributed: bool,
     /// Calls waiting for a lane, shared by the store's clones.
     lanes: Lanes,
 }
@@ -160,6 +162,7 @@ impl PostgresStore {
             &pool.connect_options(),
             DEFAULT_POSTGRES_CONNECTIONS,
             DEFAULT_POSTGRES_TIMEOUT,
+            false,
         );
         Self {
             pool,
@@ -168,6 +171,7 @@ impl PostgresStore {
             timeout: DEFAULT_POSTGRES_TIMEOUT,
             sweep_batch: DEFAULT_SWEEP_BATCH,
             max_batch: DEFAULT_POSTGRES_BATCH,
+            distributed: false,
             lanes: Lanes::new(DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_BATCH),
         }
     }
@@ -194,6 +198,7 @@ impl PostgresStore {
             &options,
             self.max_connections,
             self.timeout,
+            self.distributed,
         ));
         self.lanes = Lanes::new(self.max_connections, self.max_batch);
     }
@@ -205,7 +210,26 @@ impl PostgresStore {
     /// lane free goes out at once, alone. `1` sends each on its own statement, up to one per
     /// connection at once, as the store did before batches.
     pub fn with_max_batch(mut self, calls: usize) -> Self {
-        self.max_batch = calls.max(1);
+        self.max_batch = if self.distributed { 1 } else { calls.max(1) };
+        self.reconnect();
+        self
+    }
+
+    /// For `idempotency_keys` distributed on a Citus coordinator
+    /// ([`DISTRIBUTE_ON_CITUS`](super::DISTRIBUTE_ON_CITUS)): every statement a request sends is
+    /// then one that Citus routes to the key's shard, on one worker. So there are no batches (a
+    /// batch's keys span shards; [`with_max_batch`](Self::with_max_batch) is 1), a claim is an
+    /// insert and, when there is a row, a read (two statements for a duplicate, one for a fresh
+    /// key), and [`sweep`](Self::sweep) runs shard by shard on the workers. Connect the pool to
+    /// the coordinator.
+    ///
+    /// One promise is weaker than on one Postgres: the server cannot check the caller's time
+    /// before the insert (Citus reads the clock on the coordinator, before the statement reaches
+    /// the worker), so a claim its caller gave up on may still insert, and the key then answers
+    /// in flight until the lease ends. It never runs twice.
+    pub fn on_citus(mut self) -> Self {
+        self.distributed = true;
+        self.max_batch = 1;
         self.reconnect();
         self
     }
@@ -235,6 +259,9 @@ impl PostgresStore {
     /// Deletes every expired row, a batch per statement, and returns how many. Batches skip rows
     /// another sweeper (or a claim) holds, so sweepers on every instance never wait on each other.
     pub async fn sweep(&self) -> Result<u64, StoreError> {
+        if self.distributed {
+            return self.sweep_shards().await;
+        }
         let mut total = 0;
         loop {
             let deleted = self
@@ -249,6 +276,43 @@ impl PostgresStore {
             total += deleted;
             crate::telemetry::count_n("idempotency_swept_rows_total", deleted);
             if deleted < self.sweep_batch as u64 {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// [`sweep`](Self::sweep) on a distributed table: a batch per shard per statement, each on
+    /// its worker, until no shard had a full batch. A shard that failed (its worker down) fails
+    /// the sweep once the others are swept.
+    async fn sweep_shards(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let shards: Vec<(bool, String)> = self
+                .on_connection(async |connection| {
+                    sqlx::query_as(SWEEP_SHARDS)
+                        .bind(self.sweep_batch)
+                        .fetch_all(connection)
+                        .await
+                })
+                .await?;
+            let mut full = false;
+            let mut failed = None;
+            for (success, result) in shards {
+                let deleted = result.strip_prefix("DELETE ").and_then(|n| n.parse().ok());
+                match (success, deleted) {
+                    (true, Some(deleted)) => {
+                        total += deleted;
+                        crate::telemetry::count_n("idempotency_swept_rows_total", deleted);
+                        full |= deleted >= self.sweep_batch as u64;
+                    }
+                    _ => failed = Some(result),
+                }
+            }
+            if let Some(result) = failed {
+                let message = format!("a shard's sweep failed: {result}");
+                return Err(StoreError::backend(STORE, message));
+            }
+            if !full {
                 return Ok(total);
             }
         }
@@ -425,7 +489,12 @@ impl Store for PostgresStore {
     /// Connections of its own (at most 4, made on first use), on the same pool options.
     fn detached(&self) -> Option<Arc<dyn Store>> {
         let options = self.pool.connect_options();
-        let connections = Connections::new(&options, RENEWAL_CONNECTIONS, self.timeout);
+        let connections = Connections::new(
+            &options,
+            RENEWAL_CONNECTIONS,
+            self.timeout,
+            self.distributed,
+        );
         Some(Arc::new(Self {
             connections: Arc::new(connections),
             max_connections: RENEWAL_CONNECTIONS,

@@ -1,5 +1,35 @@
 //! The statements of the Postgres store.
 
+/// What a claim reads of the row there is (`k`), besides whether its fingerprint is the
+/// claim's (`same`) and whether the claim's owner holds it (`mine`).
+macro_rules! claim_row {
+    () => {
+        "k.state, k.response, k.suspect, k.fence,
+           k.lease_until > now() AS leased, k.expires_at > now() AS live,
+           k.recovery_point IS NOT NULL AS resumable,
+           ceil(extract(epoch FROM k.lease_until - now()) * 1000)::int8 AS lease_ms,
+           ceil(extract(epoch FROM k.expires_at - now()) * 1000)::int8 AS expires_ms"
+    };
+}
+
+/// A claim's verdict on the row there is (the columns of [`claim_row`] as `cur`), and what it
+/// answers with: `verdict`, `fence`, `response`, `lease_ms`, `expires_ms`.
+macro_rules! claim_verdict {
+    () => {
+        "CASE
+           WHEN mine AND state = 'in_flight' AND live THEN 'acquired'
+           WHEN state = 'in_flight' AND NOT leased AND resumable AND NOT same THEN 'mismatch'
+           WHEN NOT live OR (state = 'in_flight' AND NOT leased) THEN 'expired'
+           WHEN NOT same THEN 'mismatch'
+           WHEN state = 'completed' OR response IS NOT NULL THEN 'completed'
+           WHEN leased THEN 'in_flight'
+           WHEN suspect THEN 'orphaned'
+           ELSE 'lapsed'
+       END AS verdict,
+       fence, CASE WHEN same THEN response END AS response, lease_ms, expires_ms"
+    };
+}
+
 /// The claim's common path, one round trip for every claim of a batch (`batch.rs`; a lone
 /// claim is a batch of one): insert the key if there is no row, or say what the row there is.
 /// Rows that need more (an expired row to take over, a committed key whose lease lapsed) are
@@ -13,19 +43,17 @@
 /// row (a competing claim committed after the statement's snapshot, or the statement ran past
 /// its caller's time) is read again. Two claims of one key in a batch: one inserts, and the
 /// other, without a row, reads the key again.
-pub(super) const CLAIM_MANY: &str = r"
+pub(super) const CLAIM_MANY: &str = concat!(
+    r"
 WITH r AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::uuid[], $5::float8[],
                          $6::float8[])
         WITH ORDINALITY AS r(scope, key, fingerprint, owner, lease_ms, left_ms, n)
 ),
 cur AS (
-    SELECT r.n, k.state, k.fingerprint = r.fingerprint AS same, k.response, k.suspect,
-           k.owner = r.owner AS mine, k.fence,
-           k.lease_until > now() AS leased, k.expires_at > now() AS live,
-           k.recovery_point IS NOT NULL AS resumable,
-           ceil(extract(epoch FROM k.lease_until - now()) * 1000)::int8 AS lease_ms,
-           ceil(extract(epoch FROM k.expires_at - now()) * 1000)::int8 AS expires_ms
+    SELECT r.n, k.fingerprint = r.fingerprint AS same, k.owner = r.owner AS mine, ",
+    claim_row!(),
+    "
     FROM r JOIN idempotency_keys k ON k.scope = r.scope AND k.key = r.key
 ),
 claimed AS (
@@ -44,20 +72,45 @@ SELECT r.n, 'acquired' AS verdict, c.fence, NULL::bytea AS response,
        NULL::int8 AS lease_ms, NULL::int8 AS expires_ms
 FROM claimed c JOIN r ON r.scope = c.scope AND r.key = c.key AND r.owner = c.owner
 UNION ALL
-SELECT n,
-       CASE
-           WHEN mine AND state = 'in_flight' AND live THEN 'acquired'
-           WHEN state = 'in_flight' AND NOT leased AND resumable AND NOT same THEN 'mismatch'
-           WHEN NOT live OR (state = 'in_flight' AND NOT leased) THEN 'expired'
-           WHEN NOT same THEN 'mismatch'
-           WHEN state = 'completed' OR response IS NOT NULL THEN 'completed'
-           WHEN leased THEN 'in_flight'
-           WHEN suspect THEN 'orphaned'
-           ELSE 'lapsed'
-       END,
-       fence, CASE WHEN same THEN response END, lease_ms, expires_ms
+SELECT n, ",
+    claim_verdict!(),
+    "
 FROM cur
+"
+);
+
+/// A claim on a distributed table (`PostgresStore::on_citus`), first statement: inserts the
+/// key if there is no row, as [`CLAIM_MANY`] does, routed to the key's shard. The fence comes
+/// from the coordinator's sequence. $1 scope, $2 key, $3 fingerprint, $4 owner, $5 lease (ms),
+/// $6 the claim's ordinal in its batch, answered as `n`. A row (the fence) when it inserted;
+/// none when there is a row, which [`CLAIM_READ`] reads.
+pub(super) const CLAIM_INSERT: &str = r"
+INSERT INTO idempotency_keys (scope, key, fingerprint, state, owner, fence, lease_until, expires_at)
+VALUES ($1, $2, $3, 'in_flight', $4, nextval('idempotency_fence'),
+        now() + $5::float8 * interval '1 millisecond', now() + $5::float8 * interval '1 millisecond')
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING $6::int8 AS n, 'acquired' AS verdict, fence, NULL::bytea AS response,
+          NULL::int8 AS lease_ms, NULL::int8 AS expires_ms
 ";
+
+/// A claim on a distributed table, second statement: [`CLAIM_MANY`]'s verdict on the row
+/// [`CLAIM_INSERT`] found, routed to the key's shard. $1 scope, $2 key, $3 fingerprint, $4
+/// owner, $5 the claim's ordinal, answered as `n`. No row when the row is gone meanwhile: the
+/// claim reads again.
+pub(super) const CLAIM_READ: &str = concat!(
+    r"
+WITH cur AS (
+    SELECT k.fingerprint = $3 AS same, k.owner = $4 AS mine, ",
+    claim_row!(),
+    "
+    FROM idempotency_keys k WHERE k.scope = $1 AND k.key = $2
+)
+SELECT $5::int8 AS n, ",
+    claim_verdict!(),
+    "
+FROM cur
+"
+);
 
 /// Locks a row that needs settling, unless another transaction holds it.
 pub(super) const LOCK: &str = r"
@@ -80,17 +133,23 @@ SELECT EXISTS (
 )
 ";
 
-/// Takes over an expired row, as a fresh claim would have created it; a row in flight with
-/// progress for this same request keeps its recovery point (and its retention), to resume from.
+/// The next fence, for [`TAKE_OVER`]: a statement of its own, as Citus evaluates no volatile
+/// function in an `UPDATE` of a distributed table.
+pub(super) const NEXT_FENCE: &str = "SELECT nextval('idempotency_fence')";
+
+/// Takes over an expired row, as a fresh claim would have created it, with the fence $6 (from
+/// [`NEXT_FENCE`]); a row in flight with progress for this same request keeps its recovery
+/// point (and its retention), to resume from. No `now()` inside a `CASE`, which Citus refuses
+/// in an `UPDATE` of a distributed table.
 pub(super) const TAKE_OVER: &str = r"
 UPDATE idempotency_keys
-SET fingerprint = $3, state = 'in_flight', owner = $4, fence = nextval('idempotency_fence'),
+SET fingerprint = $3, state = 'in_flight', owner = $4, fence = $6,
     lease_until = now() + $5::float8 * interval '1 millisecond',
     -- Every expression below reads the row as it was (the old state, fingerprint, progress).
-    expires_at = CASE
-        WHEN state = 'in_flight' AND fingerprint = $3 AND recovery_point IS NOT NULL
-        THEN greatest(expires_at, now() + $5::float8 * interval '1 millisecond')
-        ELSE now() + $5::float8 * interval '1 millisecond' END,
+    expires_at = greatest(
+        CASE WHEN state = 'in_flight' AND fingerprint = $3 AND recovery_point IS NOT NULL
+             THEN expires_at ELSE '-infinity' END,
+        now() + $5::float8 * interval '1 millisecond'),
     recovery_point = CASE
         WHEN state = 'in_flight' AND fingerprint = $3 THEN recovery_point END,
     recovery_payload = CASE
@@ -105,6 +164,30 @@ pub(super) const SUSPECT: &str = r"
 UPDATE idempotency_keys
 SET suspect = true, lease_until = now() + $3::float8 * interval '1 millisecond'
 WHERE scope = $1 AND key = $2
+";
+
+/// Renews one lease without waiting on a row lock, as [`RENEW_MANY`] does for many, in a form
+/// Citus routes to the key's shard: $1 scope, $2 key, $3 owner, $4 lease (ms).
+pub(super) const RENEW: &str = r"
+WITH target AS (
+    SELECT scope, key FROM idempotency_keys
+    WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
+    FOR NO KEY UPDATE SKIP LOCKED
+),
+renewed AS (
+    UPDATE idempotency_keys k
+    SET lease_until = now() + $4::float8 * interval '1 millisecond',
+        expires_at = greatest(CASE WHEN k.state = 'in_flight' AND k.recovery_point IS NULL
+                                   THEN '-infinity' ELSE k.expires_at END,
+                              now() + $4::float8 * interval '1 millisecond'),
+        suspect = false, updated_at = now()
+    WHERE k.scope = $1 AND k.key = $2 AND k.owner = $3 AND EXISTS (SELECT 1 FROM target)
+    RETURNING 1
+)
+SELECT 1::int8 AS n, EXISTS (SELECT 1 FROM renewed) AS renewed,
+       EXISTS (SELECT 1 FROM idempotency_keys
+               WHERE scope = $1 AND key = $2 AND owner = $3
+                 AND state IN ('in_flight', 'committed')) AS owned
 ";
 
 /// Renews leases without waiting on a row lock, one or many at once (`batch.rs`): $1 scopes,
@@ -282,6 +365,7 @@ WHERE scope = $1 AND key = $2 AND fingerprint = $3 AND state = 'committed'
 /// its statement on every call (see `migrations/20261129000002_fence_function.sql`).
 pub(super) const COMMIT: &str = "SELECT idempotency_commit($1, $2, $3, $4, $5, $6, $7)";
 
+/// Deletes up to $1 expired rows, oldest first, skipping rows another transaction holds.
 pub(super) const SWEEP: &str = r"
 WITH doomed AS (
     SELECT scope, key FROM idempotency_keys
@@ -293,6 +377,15 @@ WITH doomed AS (
 DELETE FROM idempotency_keys k
 USING doomed
 WHERE k.scope = doomed.scope AND k.key = doomed.key
+";
+
+/// [`SWEEP`] on a distributed table, shard by shard (each shard's statement runs on its worker,
+/// up to $1 rows a shard): a row per shard, whether it ran, and what it answered (`DELETE n`).
+pub(super) const SWEEP_SHARDS: &str = r"
+SELECT success, result FROM run_command_on_shards('idempotency_keys', format(
+    'WITH doomed AS (SELECT ctid FROM %%1$s WHERE expires_at <= now() ORDER BY expires_at
+                     LIMIT %s FOR UPDATE SKIP LOCKED)
+     DELETE FROM %%1$s k USING doomed WHERE k.ctid = doomed.ctid', $1::int8))
 ";
 
 /// What an operator sees of one key (a live row only). A key committed with its answer is

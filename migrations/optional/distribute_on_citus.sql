@@ -1,0 +1,82 @@
+-- tower-idempotency, optional: idempotency_keys distributed on Citus, sharded by key.
+--
+-- Not part of the crate's migration set (MIGRATOR, PostgresStore::migrate): run it on the Citus
+-- coordinator after them, and again after every `migrate` that brings new migrations (it is
+-- idempotent, and puts back the Citus forms of the functions below, which a migration may
+-- have replaced). Then build the store with `PostgresStore::on_citus()`, which sends only
+-- statements Citus routes to one worker.
+--
+--   psql "$DATABASE_URL" -1 -f migrations/optional/distribute_on_citus.sql
+--
+-- or run `tower_idempotency::store::DISTRIBUTE_ON_CITUS` (this file) from code.
+--
+-- The distribution column. `key` (the default) spreads one tenant's keys over every shard.
+-- `scope` keeps a tenant on one shard: its business tables can be distributed by tenant and
+-- co-located, but one busy tenant loads one worker. Every statement of the store names both
+-- columns, so either routes to one shard; the application's tables must be distributed by the
+-- same value, co-located (`colocate_with => 'idempotency_keys'`), for `claim.commit` to be a
+-- single-shard transaction.
+--
+-- The fence sequence stays on the coordinator: every claim's fence is drawn there, so fences
+-- grow per key across workers, releases and shards moved between workers. Connect the store and
+-- the handlers to the coordinator.
+
+-- The fence and a recovery point as Citus runs them: on the coordinator, in the handler's
+-- transaction, their UPDATE routed to the key's shard. Planned on each call with the values in
+-- (Citus cannot route a generic plan's parameters here), and the clock read into variables
+-- first (Citus refuses a volatile function in an UPDATE of a distributed table). Same
+-- signatures and effect as 20261202000000_fence_in_plpgsql.sql.
+
+CREATE OR REPLACE FUNCTION idempotency_commit(
+    p_scope text, p_key text, p_owner uuid, p_retention_ms float8, p_lease_ms float8,
+    p_status smallint, p_response bytea
+) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_custom_plan
+AS $$
+DECLARE
+    v_lease timestamptz := clock_timestamp() + p_lease_ms * interval '1 millisecond';
+    v_expires timestamptz := clock_timestamp() + p_retention_ms * interval '1 millisecond';
+BEGIN
+    UPDATE idempotency_keys
+    SET state = 'committed', lease_until = v_lease, suspect = false,
+        expires_at = greatest(expires_at, v_expires),
+        status = coalesce(p_status, status), response = coalesce(p_response, response),
+        updated_at = now()
+    WHERE scope = p_scope AND key = p_key AND owner = p_owner
+      AND state IN ('in_flight', 'committed');
+    RETURN FOUND;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION idempotency_advance(
+    p_scope text, p_key text, p_owner uuid, p_point text, p_payload jsonb,
+    p_retention_ms float8, p_lease_ms float8
+) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_custom_plan
+AS $$
+DECLARE
+    v_lease timestamptz := clock_timestamp() + p_lease_ms * interval '1 millisecond';
+    v_expires timestamptz := clock_timestamp() + p_retention_ms * interval '1 millisecond';
+BEGIN
+    UPDATE idempotency_keys
+    SET recovery_point = p_point, recovery_payload = p_payload, lease_until = v_lease,
+        suspect = false, expires_at = greatest(expires_at, v_expires), updated_at = now()
+    WHERE scope = p_scope AND key = p_key AND owner = p_owner AND state = 'in_flight';
+    RETURN FOUND;
+END
+$$;
+
+-- After the functions: Citus refuses a function command in a transaction once it sharded a
+-- table in parallel.
+DO $$
+DECLARE
+    distribution_column constant text := 'key';
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_dist_partition
+                   WHERE logicalrelid = 'idempotency_keys'::regclass) THEN
+        PERFORM create_distributed_table('idempotency_keys', distribution_column);
+    END IF;
+END
+$$;

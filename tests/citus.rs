@@ -1,0 +1,320 @@
+//! The Postgres store on Citus (a coordinator and two workers the tests start themselves,
+//! `idempotency_keys` distributed by key): the conformance suite, every statement of a request's
+//! path routed to one shard, and fences that grow per key across a shard moved between workers.
+//! Citus must be installed in the machine's PostgreSQL (`../shared/vendor/citus/install.sh`,
+//! which `.ci/run` runs). The fleet on Citus is in `tests/fleet/citus.rs`.
+
+#[path = "support/mod.rs"]
+mod support;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering::SeqCst},
+    },
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    body::Body,
+    http::{Request, StatusCode},
+    routing::post,
+};
+use sqlx::{PgPool, postgres::PgPoolOptions};
+use support::{CitusCluster, acquire, claim_request};
+use tokio::sync::OnceCell;
+use tower::ServiceExt;
+use tower_idempotency::{
+    IdempotencyClaim, IdempotencyLayer,
+    scope::ANONYMOUS_SCOPE,
+    store::{
+        ClaimOutcome, DISTRIBUTE_ON_CITUS, MIGRATOR, Ownership, PostgresStore, RecordKey,
+        RecordState, Store,
+    },
+};
+
+/// One cluster for the conformance suite and the routing test, started by the first test that
+/// needs it and stopped when the test process exits.
+static CLUSTER: OnceCell<CitusCluster> = OnceCell::const_new();
+
+async fn cluster() -> &'static CitusCluster {
+    CLUSTER
+        .get_or_init(|| async {
+            let cluster = CitusCluster::start(2).await;
+            cluster.stop_when_this_process_exits();
+            distribute(&cluster.url()).await;
+            cluster
+        })
+        .await
+}
+
+/// The crate's migrations and the optional one for Citus, on the coordinator at `url`.
+async fn distribute(url: &str) {
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(url)
+        .await
+        .unwrap();
+    MIGRATOR.run(&pool).await.unwrap();
+    sqlx::raw_sql(DISTRIBUTE_ON_CITUS)
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+}
+
+async fn pool(url: &str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(4)
+        .connect(url)
+        .await
+        .unwrap()
+}
+
+tower_idempotency::store_conformance_tests!(async {
+    PostgresStore::new(pool(&cluster().await.url()).await).on_citus()
+});
+
+/// `url` whose sessions refuse any statement Citus would run on more than one shard.
+fn single_shard_only(url: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}options[citus.multi_task_query_log_level]=error")
+}
+
+/// A request's whole path through the layer (a fresh key with a recovery point, renewals and
+/// the fence in the handler's transaction on a co-located table, a replay, a duplicate in
+/// flight, a different request, a release, an expired key taken over) and the operator's
+/// commands for one key, on sessions where any multi-shard statement is an error: each of them
+/// is routed to one shard. The check itself is shown to bite: a statement over every shard
+/// fails on those sessions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_statement_on_a_requests_path_is_routed_to_one_shard() {
+    let cluster = cluster().await;
+    let admin = pool(&cluster.url()).await;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS orders (key text NOT NULL, step text NOT NULL,
+                                            PRIMARY KEY (key, step));
+         SELECT create_distributed_table('orders', 'key', colocate_with => 'idempotency_keys')
+         WHERE NOT EXISTS (SELECT 1 FROM pg_dist_partition
+                           WHERE logicalrelid = 'orders'::regclass);",
+    )
+    .execute(&admin)
+    .await
+    .unwrap();
+    let routed = pool(&single_shard_only(&cluster.url())).await;
+    let across = sqlx::query("SELECT count(*) FROM idempotency_keys")
+        .execute(&routed)
+        .await;
+    assert!(across.is_err(), "a multi-shard statement was allowed");
+
+    let store = PostgresStore::new(routed.clone()).on_citus();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (pool, runs) = (routed.clone(), Arc::clone(&runs));
+        move |claim: IdempotencyClaim, body: String| async move {
+            runs.fetch_add(1, SeqCst);
+            let key = claim.key().as_str().to_owned();
+            if body == "fail" {
+                return StatusCode::INTERNAL_SERVER_ERROR;
+            }
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query("INSERT INTO orders (key, step) VALUES ($1, 'placed')")
+                .bind(&key)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            claim
+                .advance(&mut tx, "placed", &serde_json::json!({ "order": key }))
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            // Longer than the lease: the owner renews it meanwhile.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query("INSERT INTO orders (key, step) VALUES ($1, 'paid')")
+                .bind(&key)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            claim.commit(&mut tx).await.unwrap();
+            tx.commit().await.unwrap();
+            StatusCode::CREATED
+        }
+    };
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .layer(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_millis(300)));
+    let prefix = uuid::Uuid::new_v4().simple().to_string();
+    let send = |key: String, body: &'static str| {
+        let app = app.clone();
+        async move {
+            let request = Request::post("/orders")
+                .header("idempotency-key", key)
+                .body(Body::from(body))
+                .unwrap();
+            app.oneshot(request).await.unwrap()
+        }
+    };
+
+    // A fresh key, and a duplicate while it runs.
+    let placed = format!("{prefix}-placed");
+    let first = tokio::spawn(send(placed.clone(), "order"));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The duplicate finds it in flight, waits for it, and gets its answer.
+    let duplicate = send(placed.clone(), "order").await;
+    assert_eq!(first.await.unwrap().status(), StatusCode::CREATED);
+    assert_eq!(duplicate.status(), StatusCode::CREATED);
+    assert_eq!(duplicate.headers()["idempotent-replayed"], "true");
+    // The replay, and another request with the same key.
+    let replay = send(placed.clone(), "order").await;
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let other = send(placed.clone(), "another order").await;
+    assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
+
+    // A handler that fails releases its key; the retry runs.
+    let failed = format!("{prefix}-failed");
+    let answer = send(failed.clone(), "fail").await;
+    assert_eq!(answer.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let answer = send(failed.clone(), "fail").await;
+    assert_eq!(answer.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_ne!(
+        answer
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+
+    // A key whose owner died: its lease ends, and the request takes it over.
+    let abandoned = format!("{prefix}-abandoned");
+    let claim = tower_idempotency::conformance::claim_request(
+        ANONYMOUS_SCOPE,
+        &abandoned,
+        "order",
+        Duration::from_millis(50),
+    );
+    assert!(matches!(
+        store.claim(&claim).await.unwrap(),
+        ClaimOutcome::Acquired { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let taken = send(abandoned.clone(), "order").await;
+    assert_eq!(taken.status(), StatusCode::CREATED);
+
+    // The operator's commands for one key.
+    let record = RecordKey::new(ANONYMOUS_SCOPE, placed.as_str().try_into().unwrap());
+    let info = store.inspect(&record).await.unwrap().expect("the key");
+    assert_eq!(info.state, RecordState::Completed);
+    assert!(store.forget(&record).await.unwrap());
+
+    // The sweeper, shard by shard on the workers: an abandoned key's row goes.
+    let swept = format!("{prefix}-swept");
+    let claim =
+        tower_idempotency::conformance::claim_request("t", &swept, "b", Duration::from_millis(10));
+    assert!(matches!(
+        store.claim(&claim).await.unwrap(),
+        ClaimOutcome::Acquired { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(store.sweep().await.unwrap() >= 1);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE key = $1")
+        .bind(&swept)
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "the expired row was swept");
+
+    // Counted at the destination: each order placed and paid once, the failing one never.
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT key, count(*) FROM orders WHERE key LIKE $1 || '%' GROUP BY key ORDER BY key",
+    )
+    .bind(&prefix)
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert_eq!(
+        rows,
+        vec![(abandoned.clone(), 2), (placed.clone(), 2)],
+        "orders placed and paid"
+    );
+    assert_eq!(runs.load(SeqCst), 4, "placed, failed twice, taken over");
+}
+
+/// The shard that holds `key`, and the port of the worker it is on.
+async fn shard_of(admin: &PgPool, key: &str) -> (i64, i32) {
+    sqlx::query_as(
+        "SELECT s.shardid, s.nodeport FROM citus_shards s
+         WHERE s.table_name = 'idempotency_keys'::regclass
+           AND s.shardid = get_shard_id_for_distribution_column('idempotency_keys', $1)",
+    )
+    .bind(key)
+    .fetch_one(admin)
+    .await
+    .unwrap()
+}
+
+/// Moves `key`'s shard (and the shards co-located with it) to the other worker.
+async fn move_shard(admin: &PgPool, cluster: &CitusCluster, key: &str) -> i32 {
+    let (shard, from) = shard_of(admin, key).await;
+    let to = cluster
+        .workers
+        .iter()
+        .map(|w| i32::from(w.port))
+        .find(|port| *port != from)
+        .unwrap();
+    sqlx::query(
+        "SELECT citus_move_shard_placement($1, '127.0.0.1', $2, '127.0.0.1', $3,
+                                           shard_transfer_mode => 'block_writes')",
+    )
+    .bind(shard)
+    .bind(from)
+    .bind(to)
+    .execute(admin)
+    .await
+    .unwrap();
+    assert_eq!(shard_of(admin, key).await, (shard, to), "the shard moved");
+    to
+}
+
+/// Fences come from the coordinator's sequence: a key claimed and released, claimed again once
+/// its shard moved to the other worker, then abandoned, moved back and taken over once its lease
+/// ended, never sees a fence smaller than one it had; keys on either worker meanwhile neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_grow_per_key_across_releases_reclaims_and_a_moved_shard() {
+    let cluster = CitusCluster::start(2).await;
+    distribute(&cluster.url()).await;
+    let admin = pool(&cluster.url()).await;
+    let store = PostgresStore::new(pool(&cluster.url()).await).on_citus();
+    let lease = Duration::from_millis(100);
+    let mut fences = Vec::new();
+    // Claimed, and released by its owner: the row goes.
+    let held = acquire(&store, &claim_request("moving", lease)).await;
+    fences.push(held.fence());
+    assert_eq!(store.release(&held).await.unwrap(), Ownership::Held);
+    // Claimed fresh once its shard moved to the other worker, then abandoned.
+    move_shard(&admin, &cluster, "moving").await;
+    fences.push(
+        acquire(&store, &claim_request("moving", lease))
+            .await
+            .fence(),
+    );
+    // Moved back, and taken over once its lease ended.
+    move_shard(&admin, &cluster, "moving").await;
+    tokio::time::sleep(lease * 2).await;
+    fences.push(
+        acquire(&store, &claim_request("moving", lease))
+            .await
+            .fence(),
+    );
+    // Keys on either worker meanwhile.
+    for k in 0..20 {
+        let key = format!("other-{k}");
+        fences.push(acquire(&store, &claim_request(&key, lease)).await.fence());
+    }
+    assert!(
+        fences.windows(2).all(|pair| pair[0] < pair[1]),
+        "fences did not grow: {fences:?}"
+    );
+}
