@@ -30,7 +30,7 @@ use tower_idempotency::{
     scope::ANONYMOUS_SCOPE,
     store::{
         ClaimOutcome, DISTRIBUTE_ON_CITUS, MIGRATOR, Ownership, PostgresStore, RecordKey,
-        RecordState, Store,
+        RecordState, Severity, Store,
     },
 };
 
@@ -72,14 +72,14 @@ async fn pool(url: &str) -> PgPool {
         .unwrap()
 }
 
-tower_idempotency::store_conformance_tests!(async {
-    PostgresStore::new(pool(&cluster().await.url()).await).on_citus()
-});
+/// Named `citus::…`, as every test of the store on Citus, so that `--skip citus` leaves them
+/// out on a machine without Citus.
+mod citus {
+    use super::*;
 
-/// `url` whose sessions refuse any statement Citus would run on more than one shard.
-fn single_shard_only(url: &str) -> String {
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}options[citus.multi_task_query_log_level]=error")
+    tower_idempotency::store_conformance_tests!(async {
+        PostgresStore::new(pool(&cluster().await.url()).await).on_citus()
+    });
 }
 
 /// A request's whole path through the layer (a fresh key with a recovery point, renewals and
@@ -89,7 +89,7 @@ fn single_shard_only(url: &str) -> String {
 /// is routed to one shard. The check itself is shown to bite: a statement over every shard
 /// fails on those sessions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_statement_on_a_requests_path_is_routed_to_one_shard() {
+async fn citus_routes_every_statement_of_a_requests_path_to_one_shard() {
     let cluster = cluster().await;
     let admin = pool(&cluster.url()).await;
     sqlx::raw_sql(
@@ -102,7 +102,7 @@ async fn every_statement_on_a_requests_path_is_routed_to_one_shard() {
     .execute(&admin)
     .await
     .unwrap();
-    let routed = pool(&single_shard_only(&cluster.url())).await;
+    let routed = pool(&cluster.single_shard_url()).await;
     let across = sqlx::query("SELECT count(*) FROM idempotency_keys")
         .execute(&routed)
         .await;
@@ -242,50 +242,13 @@ async fn every_statement_on_a_requests_path_is_routed_to_one_shard() {
     assert_eq!(runs.load(SeqCst), 4, "placed, failed twice, taken over");
 }
 
-/// The shard that holds `key`, and the port of the worker it is on.
-async fn shard_of(admin: &PgPool, key: &str) -> (i64, i32) {
-    sqlx::query_as(
-        "SELECT s.shardid, s.nodeport FROM citus_shards s
-         WHERE s.table_name = 'idempotency_keys'::regclass
-           AND s.shardid = get_shard_id_for_distribution_column('idempotency_keys', $1)",
-    )
-    .bind(key)
-    .fetch_one(admin)
-    .await
-    .unwrap()
-}
-
-/// Moves `key`'s shard (and the shards co-located with it) to the other worker.
-async fn move_shard(admin: &PgPool, cluster: &CitusCluster, key: &str) -> i32 {
-    let (shard, from) = shard_of(admin, key).await;
-    let to = cluster
-        .workers
-        .iter()
-        .map(|w| i32::from(w.port))
-        .find(|port| *port != from)
-        .unwrap();
-    sqlx::query(
-        "SELECT citus_move_shard_placement($1, '127.0.0.1', $2, '127.0.0.1', $3,
-                                           shard_transfer_mode => 'block_writes')",
-    )
-    .bind(shard)
-    .bind(from)
-    .bind(to)
-    .execute(admin)
-    .await
-    .unwrap();
-    assert_eq!(shard_of(admin, key).await, (shard, to), "the shard moved");
-    to
-}
-
 /// Fences come from the coordinator's sequence: a key claimed and released, claimed again once
 /// its shard moved to the other worker, then abandoned, moved back and taken over once its lease
 /// ended, never sees a fence smaller than one it had; keys on either worker meanwhile neither.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fences_grow_per_key_across_releases_reclaims_and_a_moved_shard() {
+async fn citus_fences_grow_per_key_across_releases_reclaims_and_a_moved_shard() {
     let cluster = CitusCluster::start(2).await;
     distribute(&cluster.url()).await;
-    let admin = pool(&cluster.url()).await;
     let store = PostgresStore::new(pool(&cluster.url()).await).on_citus();
     let lease = Duration::from_millis(100);
     let mut fences = Vec::new();
@@ -294,14 +257,14 @@ async fn fences_grow_per_key_across_releases_reclaims_and_a_moved_shard() {
     fences.push(held.fence());
     assert_eq!(store.release(&held).await.unwrap(), Ownership::Held);
     // Claimed fresh once its shard moved to the other worker, then abandoned.
-    move_shard(&admin, &cluster, "moving").await;
+    cluster.move_shard_of("idempotency_keys", "moving").await;
     fences.push(
         acquire(&store, &claim_request("moving", lease))
             .await
             .fence(),
     );
     // Moved back, and taken over once its lease ended.
-    move_shard(&admin, &cluster, "moving").await;
+    cluster.move_shard_of("idempotency_keys", "moving").await;
     tokio::time::sleep(lease * 2).await;
     fences.push(
         acquire(&store, &claim_request("moving", lease))
@@ -317,4 +280,52 @@ async fn fences_grow_per_key_across_releases_reclaims_and_a_moved_shard() {
         fences.windows(2).all(|pair| pair[0] < pair[1]),
         "fences did not grow: {fences:?}"
     );
+}
+
+/// The doctor on a Citus coordinator: a local table, a distributed one with a store not built
+/// for it, one whose fence functions a later migration put back in the form Citus cannot route,
+/// and all as it should be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_doctor_knows_a_citus_coordinator_and_how_the_table_is_distributed() {
+    let cluster = CitusCluster::start(1).await;
+    let pool = pool(&cluster.url()).await;
+    let plain = PostgresStore::new(pool.clone());
+    let citus = PostgresStore::new(pool.clone()).on_citus();
+    let finding = async |store: &PostgresStore| {
+        let diagnosis = store.diagnose().await;
+        let finding = diagnosis
+            .of("citus")
+            .next()
+            .expect("a citus finding")
+            .clone();
+        (finding.severity, finding.message)
+    };
+    MIGRATOR.run(&pool).await.unwrap();
+    let (severity, message) = finding(&plain).await;
+    assert_eq!(severity, Severity::Warning, "{message}");
+    assert!(message.contains("local table"), "{message}");
+
+    sqlx::raw_sql(DISTRIBUTE_ON_CITUS)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (severity, message) = finding(&plain).await;
+    assert_eq!(severity, Severity::Warning, "{message}");
+    assert!(message.contains("not built with on_citus"), "{message}");
+    let (severity, message) = finding(&citus).await;
+    assert_eq!(severity, Severity::Ok, "{message}");
+    assert!(
+        message.starts_with("distributed by key in 32 shards"),
+        "{message}"
+    );
+
+    // A later migration that replaces the fence function with the one-Postgres form.
+    let plpgsql = MIGRATOR.iter().last().unwrap().sql.as_str().to_owned();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(plpgsql))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (severity, message) = finding(&citus).await;
+    assert_eq!(severity, Severity::Risk, "{message}");
+    assert!(message.contains("DISTRIBUTE_ON_CITUS again"), "{message}");
 }

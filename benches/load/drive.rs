@@ -43,8 +43,17 @@ pub(crate) async fn drive(mut options: Options) {
         .unwrap();
     let seeds = cluster.as_ref().map(RedisServer::urls).unwrap_or_default();
     let valkey_url = valkey.as_ref().map(RedisServer::url).unwrap_or_default();
+    let own_nodes = ["node", "node-single", "citus-1", "citus-2"];
+    let nodes = match options.only.iter().any(|s| own_nodes.contains(&s.as_str())) {
+        true => Nodes::start().await,
+        false => None,
+    };
+    if nodes.is_none() {
+        options.only.retain(|s| !own_nodes.contains(&s.as_str()));
+    }
+    let node_urls = nodes.as_ref().map(Nodes::urls).unwrap_or_default();
     let env = format!(
-        "{}|{database_url}|{schema}|{seeds}|{valkey_url}",
+        "{}|{database_url}|{schema}|{seeds}|{valkey_url}|{node_urls}",
         redis.url()
     );
     let seconds = Duration::from_secs(options.seconds);
@@ -105,6 +114,7 @@ pub(crate) async fn drive(mut options: Options) {
         }
     }
     print_report(&options, &runs, &floors);
+    print_citus(&runs);
     print_consumers(&consumed);
     for schema in [schema.clone(), partitioned(&schema)] {
         let (rows, bytes): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
@@ -145,6 +155,9 @@ pub(crate) async fn measure(
     seconds: Duration,
 ) -> Run {
     let on_postgres = setup.starts_with("postgres") || setup.starts_with("tiered");
+    // The run's own servers (`nodes.rs`): their CPU counts, the commits and WAL read on the
+    // machine's server do not.
+    let on_own_nodes = setup.starts_with("node") || setup.starts_with("citus");
     let port = free_port();
     let mut server = Command::new(std::env::current_exe().unwrap())
         .args(["--serve", setup, &port.to_string(), env])
@@ -186,6 +199,7 @@ pub(crate) async fn measure(
     let cpu_before = process_cpu(server.id());
     let redis_before = redis.cpu();
     let postgres_before = postgres_cpu();
+    let citus_before = citus_cpu(setup);
     let position_before = match on_postgres {
         true => Some(PostgresPosition::read(admin).await),
         false => None,
@@ -200,6 +214,13 @@ pub(crate) async fn measure(
     let peak_rss_mib = peak_rss_kib(server.id()) as f64 / 1024.0;
     let redis_cpu = redis.cpu() - redis_before;
     let postgres_cpu = postgres_cpu().saturating_sub(postgres_before);
+    let citus = citus_before.zip(citus_cpu(setup)).map(|(before, after)| {
+        let per_request = |d: Duration| d.as_secs_f64() * 1e6 / latencies.len().max(1) as f64;
+        (
+            per_request(after.0.saturating_sub(before.0)),
+            per_request(after.1.saturating_sub(before.1)),
+        )
+    });
     let written = match &position_before {
         Some(before) => Some(PostgresPosition::read(admin).await.since(before)),
         None => None,
@@ -228,12 +249,13 @@ pub(crate) async fn measure(
             "redis" | "redis-cluster" | "naive" | "valkey" | "naive-valkey"
         ) || setup.starts_with("tiered"))
         .then(|| redis_cpu.as_secs_f64() * 1e6 / requests as f64),
-        postgres_us_per_req: on_postgres
+        postgres_us_per_req: (on_postgres || on_own_nodes)
             .then(|| postgres_cpu.as_secs_f64() * 1e6 / requests as f64),
         postgres_written_per_req: written.map(|(transactions, wal)| {
             let n = requests.max(1) as f64;
             (transactions as f64 / n, wal as f64 / n)
         }),
+        citus_us_per_req: citus,
     }
 }
 

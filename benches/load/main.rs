@@ -27,6 +27,12 @@
 //! it is left out. "tiered-single" and "postgres-single" are their stores sending every claim
 //! and completion on its own statement (`with_max_batch(1)`), as before batches.
 //!
+//! "node" and "node-single" are the Postgres store (batched, and one call a statement) on a
+//! PostgreSQL server this program starts; "citus-1" and "citus-2" the store built for Citus
+//! (`on_citus`) on a coordinator with one and two workers it starts beside it, every server with
+//! the same settings (`nodes.rs`), all on the same cores. Without Citus installed they are left
+//! out.
+//!
 //! Redis runs as a `redis-server` this program starts on a free port, emptied before each run,
 //! so that its CPU time (`/proc`, per request) and `MEMORY USAGE` (per completed key) count only
 //! that run; Postgres is `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), in a
@@ -58,13 +64,13 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tower_idempotency::{
     Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse,
     store::{
-        ClaimOutcome, ClaimRequest, DEFAULT_POSTGRES_BATCH, PARTITION_BY_HASH, PostgresStore,
-        RecordKey, RedisStore, Store, TieredStore,
+        ClaimOutcome, ClaimRequest, DEFAULT_POSTGRES_BATCH, DISTRIBUTE_ON_CITUS, PARTITION_BY_HASH,
+        PostgresStore, RecordKey, RedisStore, Store, TieredStore,
     },
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 14] = [
+const SETUPS: [&str; 18] = [
     "bare",
     "memory",
     "naive",
@@ -79,6 +85,10 @@ const SETUPS: [&str; 14] = [
     "tiered-single",
     "memory-1mib",
     "memory-1mib-unbounded",
+    "node",
+    "node-single",
+    "citus-1",
+    "citus-2",
 ];
 
 /// About 200 bytes, as a payment API answers.
@@ -151,6 +161,8 @@ struct Run {
     postgres_us_per_req: Option<f64>,
     /// Write transactions (commits) and WAL bytes per request, on Postgres-backed setups.
     postgres_written_per_req: Option<(f64, f64)>,
+    /// CPU per request of a Citus setup's coordinator and of its workers.
+    citus_us_per_req: Option<(f64, f64)>,
 }
 
 /// The Redis servers of the run: the one server, and the cluster and the Valkey server when the
@@ -167,6 +179,7 @@ mod consumers;
 mod drive;
 mod floors;
 mod servers;
+mod nodes;
 mod report;
 
-use self::{consumers::*, drive::*, floors::*, report::*, servers::*, setups::*};
+use self::{consumers::*, drive::*, floors::*, nodes::*, report::*, servers::*, setups::*};

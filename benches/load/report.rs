@@ -204,6 +204,35 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
     }
 }
 
+/// Where a Citus setup's Postgres CPU goes: the coordinator, which plans and routes every
+/// statement, and the workers, which run them.
+pub(crate) fn print_citus(runs: &Runs) {
+    let split: Vec<_> = runs
+        .iter()
+        .filter(|(_, list)| list[0].citus_us_per_req.is_some())
+        .collect();
+    if split.is_empty() {
+        return;
+    }
+    println!("\n| Citus setup | workload | coordinator CPU µs/req | workers CPU µs/req |");
+    println!("|---|---|---|---|");
+    for ((setup, workload), list) in split {
+        let m = |f: fn(&(f64, f64)) -> f64| {
+            median(
+                list.iter()
+                    .filter_map(|r| r.citus_us_per_req.as_ref())
+                    .map(f)
+                    .collect(),
+            )
+        };
+        println!(
+            "| {setup} | {workload} | {:.1} | {:.1} |",
+            m(|s| s.0),
+            m(|s| s.1)
+        );
+    }
+}
+
 /// The consumer rows: each kind's messages per second and what a message cost, and `Once`
 /// against bare.
 pub(crate) fn print_consumers(consumed: &BTreeMap<&str, Vec<Consumed>>) {

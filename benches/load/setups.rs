@@ -3,8 +3,9 @@
 use super::*;
 
 /// Serves one setup on `port` until killed. `env` is
-/// "redis_url|database_url|schema|cluster|valkey_url", the cluster the Redis Cluster's node URLs,
-/// comma-separated (empty without a cluster; the Valkey URL is empty without one).
+/// "redis_url|database_url|schema|cluster|valkey_url|nodes", the cluster the Redis Cluster's node
+/// URLs, comma-separated (empty without a cluster; the Valkey URL is empty without one), the
+/// nodes the URLs of the run's own Postgres servers ([`Nodes::urls`]; empty without them).
 pub(crate) fn serve(setup: &str, port: u16, env: &str) {
     let mut parts = env.split('|');
     let (redis_url, database_url, schema, cluster, valkey_url) = (
@@ -14,6 +15,12 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
         parts.next().unwrap_or_default().to_owned(),
         parts.next().unwrap_or_default().to_owned(),
     );
+    let nodes: Vec<String> = parts
+        .next()
+        .unwrap_or_default()
+        .split(',')
+        .map(str::to_owned)
+        .collect();
     let setup = setup.to_owned();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -59,6 +66,19 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
                         .await
                         .with_max_batch(max_batch(&setup)),
                 )),
+                "node" | "node-single" => layered(Arc::new(
+                    PostgresStore::new(pool_in(&nodes[0], "public", 16).await)
+                        .with_max_batch(max_batch(&setup)),
+                )),
+                "citus-1" | "citus-2" => {
+                    let url = if setup == "citus-1" {
+                        &nodes[1]
+                    } else {
+                        &nodes[2]
+                    };
+                    let pool = pool_in(url, "public", 16).await;
+                    layered(Arc::new(PostgresStore::new(pool).on_citus()))
+                }
                 "postgres-partitioned" => layered(Arc::new(
                     postgres_store(&database_url, &partitioned(&schema)).await,
                 )),

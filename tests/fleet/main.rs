@@ -290,3 +290,4 @@ fn count_lines(instances: &[Proc], needle: &str) -> usize {
 mod stalls;
 mod store_faults;
 mod kills;
+mod citus;

@@ -573,6 +573,62 @@ impl CitusCluster {
         self.coordinator.url()
     }
 
+    /// [`url`](Self::url) for sessions that refuse any statement Citus would run on more than
+    /// one shard (`citus.multi_task_query_log_level = error`).
+    pub fn single_shard_url(&self) -> String {
+        format!(
+            "{}?options[citus.multi_task_query_log_level]=error",
+            self.url()
+        )
+    }
+
+    /// The shard of `table` that holds `key`, and the port of the worker it is on.
+    pub async fn shard_of(&self, table: &str, key: &str) -> (i64, i32) {
+        use sqlx::Connection;
+        let mut admin = sqlx::PgConnection::connect(&self.url()).await.unwrap();
+        sqlx::query_as(
+            "SELECT shardid, nodeport FROM citus_shards
+             WHERE table_name = $1::regclass
+               AND shardid = get_shard_id_for_distribution_column($1::regclass, $2)",
+        )
+        .bind(table)
+        .bind(key)
+        .fetch_one(&mut admin)
+        .await
+        .unwrap()
+    }
+
+    /// Moves the shard of `table` that holds `key` (with the shards co-located with it) to
+    /// another worker, blocking writes to it while it copies, as an operator rebalancing does.
+    /// Returns the port of the worker it is on now.
+    pub async fn move_shard_of(&self, table: &str, key: &str) -> i32 {
+        use sqlx::Connection;
+        let (shard, from) = self.shard_of(table, key).await;
+        let to = self
+            .workers
+            .iter()
+            .map(|w| i32::from(w.port))
+            .find(|port| *port != from)
+            .expect("another worker");
+        let mut admin = sqlx::PgConnection::connect(&self.url()).await.unwrap();
+        sqlx::query(
+            "SELECT citus_move_shard_placement($1, '127.0.0.1', $2, '127.0.0.1', $3,
+                                               shard_transfer_mode => 'block_writes')",
+        )
+        .bind(shard)
+        .bind(from)
+        .bind(to)
+        .execute(&mut admin)
+        .await
+        .unwrap();
+        assert_eq!(
+            self.shard_of(table, key).await,
+            (shard, to),
+            "the shard moved"
+        );
+        to
+    }
+
     /// See [`PgCluster::stop_when_this_process_exits`], for every node.
     pub fn stop_when_this_process_exits(&self) {
         self.coordinator.stop_when_this_process_exits();

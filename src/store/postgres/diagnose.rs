@@ -1,6 +1,7 @@
 //! [`Store::diagnose`](crate::store::Store::diagnose) for Postgres: the server version, the
 //! crate's migrations, whether acknowledged commits survive a crash, the session timeouts of the application's pool (on which the handlers'
-//! fence transactions run), whether the sweeper keeps up, and the table's size.
+//! fence transactions run), on Citus how the table is distributed, whether the sweeper keeps
+//! up, and the table's size.
 
 use std::time::Duration;
 
@@ -44,11 +45,74 @@ impl PostgresStore {
         if !table {
             return diagnosis;
         }
+        match self.distribution().await {
+            Ok(Some((severity, message))) => diagnosis.push(severity, STORE, "citus", message),
+            Ok(None) => {}
+            Err(error) => {
+                let (severity, message) = could_not(error);
+                diagnosis.push(severity, STORE, "citus", message);
+            }
+        }
         let (severity, message) = self.sweeper().await.unwrap_or_else(could_not);
         diagnosis.push(severity, STORE, "sweeper", message);
         let (severity, message) = self.size().await.unwrap_or_else(could_not);
         diagnosis.push(severity, STORE, "size", message);
         diagnosis
+    }
+
+    /// On a Citus coordinator: whether `idempotency_keys` is distributed, by what, with which
+    /// tables co-located, whether the fence functions are the form Citus routes, and whether the
+    /// store was built for it ([`on_citus`](PostgresStore::on_citus)). `None` on a plain
+    /// Postgres with a store built for one.
+    async fn distribution(&self) -> Result<Option<(Severity, String)>, StoreError> {
+        let citus = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')";
+        let citus: bool = self
+            .bounded(sqlx::query_scalar(citus).fetch_one(&self.pool))
+            .await?;
+        if !citus {
+            return Ok(self.distributed.then(|| {
+                let message = "built with on_citus, on a server without Citus: it works, \
+                               without batches";
+                (Severity::Warning, message.into())
+            }));
+        }
+        let layout = sqlx::query_as(
+            "SELECT column_to_column_name(p.logicalrelid, p.partkey),
+                    (SELECT count(*) FROM pg_dist_shard s WHERE s.logicalrelid = p.logicalrelid),
+                    (SELECT string_agg(o.logicalrelid::text, ', ' ORDER BY o.logicalrelid::text)
+                     FROM pg_dist_partition o
+                     WHERE o.colocationid = p.colocationid AND o.logicalrelid <> p.logicalrelid),
+                    (SELECT coalesce(bool_and(c LIKE 'plan_cache_mode=force_custom_plan'), false)
+                     FROM pg_proc f, unnest(f.proconfig) c
+                     WHERE f.proname IN ('idempotency_commit', 'idempotency_advance')
+                       AND c LIKE 'plan_cache_mode=%')
+             FROM pg_dist_partition p WHERE p.logicalrelid = 'idempotency_keys'::regclass",
+        );
+        let layout: Option<(String, i64, Option<String>, bool)> =
+            self.bounded(layout.fetch_optional(&self.pool)).await?;
+        let Some((column, shards, colocated, routed_fence)) = layout else {
+            let message = "a Citus coordinator, with idempotency_keys a local table on it: run \
+                           DISTRIBUTE_ON_CITUS to shard it over the workers";
+            return Ok(Some((Severity::Warning, message.into())));
+        };
+        let colocated = colocated.unwrap_or_else(|| "no other table".into());
+        let layout =
+            format!("distributed by {column} in {shards} shards, co-located with {colocated}");
+        Ok(Some(if !routed_fence {
+            let message = format!(
+                "{layout}; the fence functions are not the form Citus routes, so fences fail: \
+                 run DISTRIBUTE_ON_CITUS again after the migrations"
+            );
+            (Severity::Risk, message)
+        } else if !self.distributed {
+            let message = format!(
+                "{layout}; the store is not built with on_citus: its batches span shards \
+                 (multi-shard statements on every request)"
+            );
+            (Severity::Warning, message)
+        } else {
+            (Severity::Ok, layout)
+        }))
     }
 
     async fn server_version(&self) -> Result<String, StoreError> {

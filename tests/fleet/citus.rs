@@ -1,0 +1,96 @@
+//! The fleet on Citus: payments instances on a coordinator and two workers, the keys and the
+//! payments sharded by key and co-located, while a worker restarts, a shard moves to the other
+//! worker and the coordinator restarts. The same exactly-once count as on one Postgres.
+
+use super::*;
+use support::CitusCluster;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_on_citus_commits_each_key_once_through_a_worker_restart_a_shard_move_and_a_coordinator_restart()
+ {
+    let _serial = SERIAL.lock().await;
+    let mut citus = CitusCluster::start(2).await;
+    let provider = MockProvider::start(Duration::from_millis(20)).await;
+    let lease_ms = 1000;
+    // The instances' sessions refuse any statement Citus would run on more than one shard: a
+    // payment's transactions, the fence included, each stay on one worker.
+    let env = [
+        ("DATABASE_URL", citus.single_shard_url()),
+        ("PROVIDER_URL", provider.url.clone()),
+        ("IDEMPOTENCY_LEASE_MS", lease_ms.to_string()),
+        ("PAYMENTS_WORK_MS", "100".to_owned()),
+    ];
+    let instances = fleet(3, &env).await;
+    let urls = urls(&instances);
+    let tally = Arc::new(Tally::default());
+
+    // A key on each worker, apart from the burst's, to ask for while the first is down.
+    let on_worker = |worker: usize| {
+        let (citus, port) = (&citus, i32::from(citus.workers[worker].port));
+        async move {
+            for k in 0.. {
+                let key = format!("outage-{k}");
+                if citus.shard_of("idempotency_keys", &key).await.1 == port {
+                    return key;
+                }
+            }
+            unreachable!()
+        }
+    };
+    let (down_key, up_key) = (on_worker(0).await, on_worker(1).await);
+    let outage_url = urls[0].clone();
+    let (down, up) = (down_key.clone(), up_key.clone());
+
+    let faults = tokio::spawn(async move {
+        let mut done = Vec::new();
+        let took = |since: Instant| format!("{:.1} s", since.elapsed().as_secs_f64());
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let outage = Instant::now();
+        citus.workers[0].stop_server();
+        // Its keys are unavailable, and run nowhere; the other worker's keys are served.
+        let down = post_json(&outage_url, &down, PAYMENT).await.unwrap();
+        assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE, "{down:?}");
+        let up = post_json(&outage_url, &up, PAYMENT).await.unwrap();
+        assert_eq!(up.status, StatusCode::CREATED, "{up:?}");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        citus.workers[0].start_server().await;
+        done.push(format!(
+            "worker 1 down for {} (its keys 503, the other worker's served)",
+            took(outage)
+        ));
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let moving = Instant::now();
+        let moved = citus.move_shard_of("idempotency_keys", "citus-7").await;
+        done.push(format!("the shard of citus-7 moved in {}", took(moving)));
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let restart = Instant::now();
+        citus.coordinator.restart_server().await;
+        done.push(format!("coordinator restarted in {}", took(restart)));
+        (citus, done, moved)
+    });
+    let answers = burst(&urls, "citus", 120, 3, Duration::from_millis(7000), &tally).await;
+    let (citus, faults, moved) = faults.await.unwrap();
+    assert_eq!(citus.shard_of("idempotency_keys", "citus-7").await.1, moved);
+    tokio::time::sleep(Duration::from_millis(2 * lease_ms)).await;
+
+    let pool = PgPool::connect(&citus.url()).await.unwrap();
+    // The key refused while its worker was down, delivered now, with the others'.
+    let mut answers = answers;
+    for key in [&down_key, &up_key] {
+        let answer = deliver(&urls, 0, key, Duration::from_millis(1500), &tally).await;
+        let id = answer.json()["id"].as_str().unwrap().to_owned();
+        answers.entry(key.clone()).or_default().push(id);
+    }
+    let figures = exactly_once(&pool, &provider, &answers).await;
+    println!(
+        "fleet on Citus: 3 instances, a coordinator and 2 workers (lease {lease_ms} ms); \
+         {}; {figures}; {tally}",
+        faults.join(", ")
+    );
+    assert!(
+        Tally::get(&tally.unavailable) + Tally::get(&tally.failed_attempts) > 0,
+        "no fault reached a request: nothing was tested"
+    );
+    drop(instances);
+    pool.close().await;
+}
