@@ -44,6 +44,14 @@ async fn cluster() -> &'static CitusCluster {
             let cluster = CitusCluster::start(2).await;
             cluster.stop_when_this_process_exits();
             distribute(&cluster.url()).await;
+            // The coordinator keeps its records of two-phase commits, which a test counts.
+            let coordinator = &cluster.coordinator;
+            let keep = "ALTER SYSTEM SET citus.recover_2pc_interval = -1";
+            coordinator.execute(keep).await.unwrap();
+            coordinator
+                .execute("SELECT pg_reload_conf()")
+                .await
+                .unwrap();
             cluster
         })
         .await
@@ -92,16 +100,7 @@ mod citus {
 async fn citus_routes_every_statement_of_a_requests_path_to_one_shard() {
     let cluster = cluster().await;
     let admin = pool(&cluster.url()).await;
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS orders (key text NOT NULL, step text NOT NULL,
-                                            PRIMARY KEY (key, step));
-         SELECT create_distributed_table('orders', 'key', colocate_with => 'idempotency_keys')
-         WHERE NOT EXISTS (SELECT 1 FROM pg_dist_partition
-                           WHERE logicalrelid = 'orders'::regclass);",
-    )
-    .execute(&admin)
-    .await
-    .unwrap();
+    business_tables(&admin).await;
     let routed = pool(&cluster.single_shard_url()).await;
     let across = sqlx::query("SELECT count(*) FROM idempotency_keys")
         .execute(&routed)
@@ -328,4 +327,136 @@ async fn the_doctor_knows_a_citus_coordinator_and_how_the_table_is_distributed()
     let (severity, message) = finding(&citus).await;
     assert_eq!(severity, Severity::Risk, "{message}");
     assert!(message.contains("DISTRIBUTE_ON_CITUS again"), "{message}");
+}
+
+/// Creates, once, `orders` (co-located with `idempotency_keys`, by key) and `ledger` (sharded by
+/// its own id, not co-located: a key's fence and its ledger row may be on different workers).
+async fn business_tables(admin: &PgPool) {
+    sqlx::raw_sql(
+        "SELECT pg_advisory_xact_lock(4242);
+         CREATE TABLE IF NOT EXISTS orders (key text NOT NULL, step text NOT NULL,
+                                            PRIMARY KEY (key, step));
+         SELECT create_distributed_table('orders', 'key', colocate_with => 'idempotency_keys')
+         WHERE NOT EXISTS (SELECT 1 FROM pg_dist_partition
+                           WHERE logicalrelid = 'orders'::regclass);
+         CREATE TABLE IF NOT EXISTS ledger (id text PRIMARY KEY, key text NOT NULL);
+         SELECT create_distributed_table('ledger', 'id', colocate_with => 'none')
+         WHERE NOT EXISTS (SELECT 1 FROM pg_dist_partition
+                           WHERE logicalrelid = 'ledger'::regclass);",
+    )
+    .execute(admin)
+    .await
+    .unwrap();
+}
+
+/// Commits of the two-phase protocol the coordinator has recorded and not yet cleaned up.
+async fn two_phase_commits(admin: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pg_dist_transaction")
+        .fetch_one(admin)
+        .await
+        .unwrap()
+}
+
+/// A handler whose business row is on another worker than its key: its transaction spans two
+/// workers, and Citus commits it with two-phase commit. Still exactly once: a stale owner's transaction,
+/// whose key another took over, is stopped by the fence and rolled back on both shards; the
+/// owner's commits, on both. Prints what a fenced commit costs either way, side by side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn citus_a_business_table_elsewhere_commits_by_two_phase_commit_still_once() {
+    let cluster = cluster().await;
+    let admin = pool(&cluster.url()).await;
+    business_tables(&admin).await;
+    let store = PostgresStore::new(admin.clone()).on_citus();
+    let lease = Duration::from_millis(100);
+    let prefix = uuid::Uuid::new_v4().simple().to_string();
+    let fenced = async |request: &tower_idempotency::store::ClaimRequest| {
+        let Ok(ClaimOutcome::Acquired { fence }) = store.claim(request).await else {
+            panic!("not acquired");
+        };
+        let lease =
+            tower_idempotency::store::Lease::new(request.record().clone(), request.owner(), fence);
+        IdempotencyClaim::new(lease, Duration::from_secs(60))
+    };
+    // A ledger id whose shard is on the other worker than `key`'s.
+    let elsewhere = async |key: &str| {
+        let worker = cluster.shard_of("idempotency_keys", key).await.1;
+        for n in 0.. {
+            let id = format!("{key}-{n}");
+            if cluster.shard_of("ledger", &id).await.1 != worker {
+                return id;
+            }
+        }
+        unreachable!()
+    };
+    // The business row (in `orders` with the key, or in `ledger` with the id given) and the
+    // fence, in one transaction.
+    let write = async |claim: &IdempotencyClaim, ledger_id: Option<&str>| {
+        let key = claim.key().as_str();
+        let (statement, second) = match ledger_id {
+            Some(id) => ("INSERT INTO ledger (id, key) VALUES ($2, $1)", id),
+            None => ("INSERT INTO orders (key, step) VALUES ($1, $2)", "paid"),
+        };
+        let mut tx = admin.begin().await.unwrap();
+        sqlx::query(statement)
+            .bind(key)
+            .bind(second)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let outcome = claim.commit(&mut tx).await;
+        if outcome.is_ok() {
+            tx.commit().await.unwrap();
+        }
+        outcome
+    };
+    let request = |key: &str| {
+        tower_idempotency::conformance::claim_request("t", &format!("{prefix}-{key}"), "b", lease)
+    };
+
+    // A stale owner and the one that took its key over, across two shards.
+    let stale_request = request("taken");
+    let stale = fenced(&stale_request).await;
+    tokio::time::sleep(lease * 2).await;
+    let owner = fenced(&request("taken")).await;
+    let id = elsewhere(owner.key().as_str()).await;
+    let before = two_phase_commits(&admin).await;
+    assert!(
+        write(&stale, Some(&id)).await.is_err(),
+        "the stale owner fenced"
+    );
+    write(&owner, Some(&id)).await.unwrap();
+    assert!(
+        two_phase_commits(&admin).await > before,
+        "the owner's commit was not two-phase"
+    );
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE key = $1")
+        .bind(owner.key().as_str())
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1, "one ledger row for the key");
+
+    // What a fenced commit costs, co-located or not, alternating.
+    let mut took = [Duration::ZERO; 2];
+    let commits = 100;
+    for n in 0..commits {
+        for (i, table) in ["orders", "ledger"].into_iter().enumerate() {
+            let claim = fenced(&request(&format!("{table}-{n}"))).await;
+            let id = match table {
+                "ledger" => Some(elsewhere(claim.key().as_str()).await),
+                _ => None,
+            };
+            let started = std::time::Instant::now();
+            write(&claim, id.as_deref()).await.unwrap();
+            took[i] += started.elapsed();
+        }
+    }
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / f64::from(commits);
+    println!(
+        "citus: a fenced commit with the business row co-located {:.0} µs, on another worker \
+         (two-phase commit) {:.0} µs: {:.2}x, {commits} of each, alternating",
+        per(took[0]),
+        per(took[1]),
+        per(took[1]) / per(took[0]),
+    );
 }
