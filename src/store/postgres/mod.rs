@@ -66,6 +66,9 @@ const STORE: &str = "postgres";
 /// committed, the key can be neither released nor reclaimed, only completed, so a handler that
 /// lost its lease during a stall cannot commit a second time.
 ///
+/// Past one primary, the table can be distributed on Citus, sharded by key: see
+/// [`on_citus`](Self::on_citus).
+///
 /// Expired rows are deleted by [`sweep`](Self::sweep), which every instance may run at once
 /// ([`spawn_sweeper`](Self::spawn_sweeper)). An unreachable database, or an exhausted pool,
 /// is an error within [`with_timeout`](Self::with_timeout)'s bound (5 s by default), which the
