@@ -18,11 +18,16 @@ use crate::{
 /// The hook of [`IdempotencyLayer::with_problem_response`](crate::IdempotencyLayer::with_problem_response).
 pub(crate) type ProblemFn = dyn Fn(&Problem) -> Response<Bytes> + Send + Sync;
 
+/// The hook of [`IdempotencyLayer::with_replayed_response`](crate::IdempotencyLayer::with_replayed_response).
+pub(crate) type ReplayedFn = dyn Fn(&mut http::response::Parts) + Send + Sync;
+
 /// How the layer's own answers are rendered and logged: what the application configured.
 #[derive(Clone)]
 pub(crate) struct Answers {
     /// Renders problems to HTTP callers instead of `application/problem+json`.
     pub(crate) problem_response: Option<Arc<ProblemFn>>,
+    /// Adjusts replayed responses before they leave.
+    pub(crate) replayed_response: Option<Arc<ReplayedFn>>,
     /// The level of the event logged for each answer the layer gives.
     pub(crate) level: tracing::Level,
 }
@@ -31,6 +36,7 @@ impl Default for Answers {
     fn default() -> Self {
         Self {
             problem_response: None,
+            replayed_response: None,
             level: tracing::Level::INFO,
         }
     }
@@ -65,7 +71,16 @@ impl Answers {
         *response.status_mut() = status;
         *response.headers_mut() = headers;
         self.report(telemetry, IdempotencyOutcome::Replayed, &mut response);
-        response
+        match &self.replayed_response {
+            Some(adjust) => {
+                let (mut parts, body) = response.into_parts();
+                adjust(&mut parts);
+                let marker = HeaderValue::from_static("true");
+                parts.headers.insert(IDEMPOTENT_REPLAYED, marker);
+                Response::from_parts(parts, body)
+            }
+            None => response,
+        }
     }
 
     /// Tells the outside what the layer did with a request: the span's `outcome`, the metrics,

@@ -1,9 +1,34 @@
 //! Header names and values the layer reads or writes on the wire.
 
+use std::time::Duration;
+
 use http::{HeaderMap, HeaderName, header::VARY};
 
 /// The header that marks a replayed response (`Idempotent-Replayed: true`).
 pub(crate) const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// The header that says which of a request's preferences were honored (RFC 7240).
+pub(crate) const PREFERENCE_APPLIED: &str = "preference-applied";
+
+/// How long a request prefers to wait for its answer (`Prefer: wait=N`, RFC 7240, in whole
+/// seconds), if it says. Other preferences, and a preference's parameters, are ignored; a
+/// `wait` that is not a whole number of seconds is no preference.
+pub(crate) fn preferred_wait(headers: &HeaderMap) -> Option<Duration> {
+    headers
+        .get_all("prefer")
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|list| list.split(','))
+        .find_map(|preference| {
+            let token = preference.split(';').next()?;
+            let (name, value) = token.split_once('=')?;
+            if !name.trim().eq_ignore_ascii_case("wait") {
+                return None;
+            }
+            let seconds: u64 = value.trim().trim_matches('"').parse().ok()?;
+            Some(Duration::from_secs(seconds))
+        })
+}
 
 /// The request header names a response's `Vary` headers list (`*` names none in particular).
 pub(crate) fn vary_names(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {
@@ -28,4 +53,35 @@ pub(crate) fn varied_request_headers(
         }
     }
     varied
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderValue;
+
+    use super::*;
+
+    fn prefer(values: &[&'static str]) -> Option<Duration> {
+        let mut headers = HeaderMap::new();
+        for value in values {
+            headers.append("prefer", HeaderValue::from_static(value));
+        }
+        preferred_wait(&headers)
+    }
+
+    #[test]
+    fn the_wait_preference_is_read_among_others_and_its_parameters() {
+        let secs = |n| Some(Duration::from_secs(n));
+        assert_eq!(prefer(&[]), None);
+        assert_eq!(prefer(&["wait=30"]), secs(30));
+        assert_eq!(prefer(&["respond-async, WAIT = 5"]), secs(5));
+        assert_eq!(
+            prefer(&["handling=lenient", "wait=\"7\"; foo=bar"]),
+            secs(7)
+        );
+        assert_eq!(prefer(&["return=minimal"]), None);
+        assert_eq!(prefer(&["wait=1.5"]), None);
+        assert_eq!(prefer(&["wait=-1"]), None);
+        assert_eq!(prefer(&["waiting=3"]), None);
+    }
 }

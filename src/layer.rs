@@ -218,6 +218,19 @@ impl IdempotencyLayer {
         self
     }
 
+    /// The longest a duplicate waits when it asks (60 s by default). A request may say how long
+    /// it is willing to wait for its answer, `Prefer: wait=N` in seconds (RFC 7240): longer than
+    /// [`with_wait`](Self::with_wait), for a long handler whose duplicate would rather follow
+    /// it to its answer than loop on 409s, or shorter (`wait=0`: 409 at once). The layer
+    /// honors it up to this bound (and four fifths of a gRPC deadline), for as long as the first
+    /// request's owner keeps its lease, and says so on its own answers with
+    /// `Preference-Applied: wait=N`, the seconds it honored. Keep it below any timeout in front
+    /// of the layer. `Duration::ZERO` makes every preference 409 at once.
+    pub fn with_max_wait(mut self, max_wait: Duration) -> Self {
+        self.settings.max_wait = max_wait;
+        self
+    }
+
     /// How long the layer keeps retrying to store a response when the store fails (10 minutes by
     /// default). Meanwhile the key stays held, its lease renewed, so no retry runs the handler
     /// again; the caller is answered after the first few attempts. Past it, the layer gives up,
@@ -261,6 +274,29 @@ impl IdempotencyLayer {
         render: impl Fn(&Problem) -> http::Response<Bytes> + Send + Sync + 'static,
     ) -> Self {
         self.settings.answers.problem_response = Some(Arc::new(render));
+        self
+    }
+
+    /// Adjusts every replayed response before it leaves: its status, headers and extensions
+    /// (the stored body and trailers go as stored). For headers that belong to this exchange
+    /// rather than the stored one (a request id, a fresh `Date`, a `Cache-Control`), as
+    /// [`with_problem_response`](Self::with_problem_response) does for the layer's own answers.
+    /// What the hook changes is not stored: every replay starts from the stored response. The
+    /// replay marker (`Idempotent-Replayed: true`) is set again after the hook, so clients can
+    /// always tell a replay.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_replayed_response(|parts| {
+    ///     parts.headers.insert("cache-control", "no-store".parse().unwrap());
+    /// });
+    /// ```
+    pub fn with_replayed_response(
+        mut self,
+        adjust: impl Fn(&mut http::response::Parts) + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.answers.replayed_response = Some(Arc::new(adjust));
         self
     }
 

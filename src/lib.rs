@@ -30,7 +30,7 @@
 //! |---|---|
 //! | first request with the key | the handler runs; its response is stored and returned |
 //! | retry after it completed | the stored response: same status, headers, body and trailers, plus `Idempotent-Replayed: true` |
-//! | retry while the first is still running | waits for it (10 s by default) and gets its answer; then 409 with `Retry-After` |
+//! | retry while the first is still running | waits for it (10 s by default, or what it asks for with `Prefer: wait=N`, up to 60 s) and gets its answer; then 409 with `Retry-After` |
 //! | same key, different method, path, query, `Content-Type`, body (or configured headers) | 422 |
 //! | same key, different credentials | a record of its own (see [`scope`]) |
 //! | malformed, empty, oversize, repeated or listed key | 400 |
@@ -133,7 +133,7 @@ pub use self::{
     response::{DEFAULT_MAX_RESPONSE_BODY, DecodeError, StoredResponse},
     service::Idempotency,
     settings::{
-        DEFAULT_FINALIZE_DEADLINE, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY,
+        DEFAULT_FINALIZE_DEADLINE, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_WAIT,
         DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_RETENTION, DEFAULT_WAIT,
     },
     store::MemoryStore,

@@ -26,6 +26,8 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 /// Default time a duplicate waits for the first request with its key: 10 s.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(10);
+/// Default longest wait a duplicate may ask for (`Prefer: wait=N`): 60 s.
+pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(60);
 /// Default time a response that could not be stored is retried, with its key held: 10 minutes.
 pub const DEFAULT_FINALIZE_DEADLINE: Duration = Duration::from_secs(10 * 60);
 
@@ -56,6 +58,7 @@ pub(crate) struct Settings {
     pub(crate) lease: Duration,
     pub(crate) retention: Duration,
     pub(crate) wait: Duration,
+    pub(crate) max_wait: Duration,
     pub(crate) finalize_deadline: Duration,
     // Answers.
     pub(crate) policy: CompletionPolicy,
@@ -82,6 +85,7 @@ impl Settings {
             lease: DEFAULT_LEASE,
             retention: DEFAULT_RETENTION,
             wait: DEFAULT_WAIT,
+            max_wait: DEFAULT_MAX_WAIT,
             finalize_deadline: DEFAULT_FINALIZE_DEADLINE,
             policy: CompletionPolicy::default(),
             answers: Answers::default(),

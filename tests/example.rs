@@ -57,6 +57,48 @@ async fn payments_example_creates_replays_and_refuses() {
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
 }
 
+/// What the payments example takes from its environment about waiting and retention, tried as
+/// a user would with curl: a duplicate that asks to wait (`Prefer: wait=N`) for a slow payment
+/// gets it, one that does not gets 409; a retry after `IDEMPOTENCY_RETENTION_MS` is a new
+/// request.
+#[tokio::test]
+async fn payments_example_lets_a_duplicate_wait_as_asked_and_forgets_past_its_retention() {
+    let env = [
+        ("PAYMENTS_WORK_MS", "1500".to_owned()),
+        ("IDEMPOTENCY_WAIT_MS", "100".to_owned()),
+        ("IDEMPOTENCY_RETENTION_MS", "1000".to_owned()),
+    ];
+    let app = Proc::example("payments", &env).await;
+    let url = app.url("/payments");
+    let post = |prefer: Option<&'static str>| {
+        let url = url.clone();
+        async move {
+            let mut headers = vec![
+                ("content-type", "application/json"),
+                ("idempotency-key", "order-wait"),
+            ];
+            headers.extend(prefer.map(|value| ("prefer", value)));
+            send(Method::POST, &url, &headers, PAYMENT).await.unwrap()
+        }
+    };
+    let first = tokio::spawn(post(None));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let impatient = post(None).await;
+    assert_eq!(impatient.status, StatusCode::CONFLICT);
+    let patient = post(Some("wait=10")).await;
+    assert_eq!(patient.status, StatusCode::CREATED, "{patient:?}");
+    assert!(patient.replayed());
+    assert_eq!(patient.headers["preference-applied"], "wait=10");
+    let first = first.await.unwrap();
+    assert_eq!(patient.json()["id"], first.json()["id"]);
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let later = post(None).await;
+    assert_eq!(later.status, StatusCode::CREATED);
+    assert!(!later.replayed(), "a retry past the retention runs again");
+    assert_ne!(later.json()["id"], first.json()["id"]);
+}
+
 /// Payment rows the example wrote for `key`: counted where they are, in Postgres.
 async fn rows(schema: &TestSchema, key: &str) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM payments WHERE idempotency_key = $1")

@@ -20,6 +20,8 @@
 //! | `PORT` | listening port on 127.0.0.1 (3000) |
 //! | `IDEMPOTENCY_LEASE_MS` | the claim lease (30000) |
 //! | `IDEMPOTENCY_WAIT_MS` | how long a duplicate waits for the first request (10000) |
+//! | `IDEMPOTENCY_MAX_WAIT_MS` | the longest a duplicate that asks (`Prefer: wait=N`) waits (60000) |
+//! | `IDEMPOTENCY_RETENTION_MS` | how long a completed key and its answer are kept (86400000, 24 h) |
 //! | `PAYMENTS_WORK_MS` | simulated work (fraud scoring) before the payment is recorded, with no transaction open (0) |
 //! | `PAYMENTS_PAUSE_AFTER_INTENT_MS` | on Postgres, a pause after step 1 (the intent) commits (0) |
 //! | `PAYMENTS_PAUSE_AFTER_CHARGE_MS` | on Postgres, a pause after the provider charged, before step 3 (0) |
@@ -100,7 +102,9 @@ async fn main() {
     let mut layer = IdempotencyLayer::from_shared_store(store)
         .with_key_required(true)
         .with_lease(env_millis("IDEMPOTENCY_LEASE_MS", 30_000))
-        .with_wait(env_millis("IDEMPOTENCY_WAIT_MS", 10_000));
+        .with_wait(env_millis("IDEMPOTENCY_WAIT_MS", 10_000))
+        .with_max_wait(env_millis("IDEMPOTENCY_MAX_WAIT_MS", 60_000))
+        .with_retention(env_millis("IDEMPOTENCY_RETENTION_MS", 86_400_000));
     if let Ledger::Postgres(pool) = &state.ledger {
         let pool = pool.clone();
         layer = layer.with_recovery(move |record| recover(pool.clone(), record));

@@ -38,7 +38,7 @@ use self::{
 use crate::{
     Completion, IdempotencyClaim, IdempotencyKey, IdempotencyOutcome, StoredResponse,
     body::{RequestBody, ResponseBody},
-    grpc,
+    grpc, headers,
     problem::Rejection,
     settings::Settings,
     store::{BoxError, ClaimRequest, Lease, RecordKey, Store},
@@ -210,11 +210,11 @@ where
         }
     };
     let mut claim = ClaimRequest::shared(record, fingerprint, owner_token(), engine.settings.lease);
-    let wait = wait_budget(&engine.settings, &parts.headers);
-    let mut lapses = 0;
+    let (headers, mut lapses) = (&parts.headers, 0);
+    let wait = Wait::of(&engine.settings, headers);
     let answer = loop {
         let claimed =
-            claim::claim_or_answer(engine, &claim, &parts.headers, wait, grpc, &mut reply).await;
+            claim::claim_or_answer(engine, &claim, headers, wait.budget, grpc, &mut reply).await;
         let grant = match claimed {
             ControlFlow::Continue(grant) => grant,
             ControlFlow::Break(answer) => break answer,
@@ -238,7 +238,8 @@ where
             }
         }
     };
-    if let Some(answer) = answer {
+    if let Some(mut answer) = answer {
+        wait.applied(&mut answer);
         let _ = reply.send(Ok(answer));
     }
     None
@@ -383,11 +384,21 @@ async fn answer_superseded<B, E>(engine: &Engine, attempt: &Attempt<'_>, mut rep
     let settings = &engine.settings;
     let (record, fingerprint) = (attempt.claim.record(), *attempt.claim.fingerprint());
     let again = ClaimRequest::new(record.clone(), fingerprint, owner_token(), settings.lease);
-    let wait = wait_budget(settings, attempt.headers);
+    let wait = Wait::of(settings, attempt.headers);
     let grpc = attempt.grpc;
-    let claimed = claim::claim_or_answer(engine, &again, attempt.headers, wait, grpc, &mut reply);
+    let claimed = claim::claim_or_answer(
+        engine,
+        &again,
+        attempt.headers,
+        wait.budget,
+        grpc,
+        &mut reply,
+    );
     let answer = match claimed.await {
-        ControlFlow::Break(Some(answer)) => answer,
+        ControlFlow::Break(Some(mut answer)) => {
+            wait.applied(&mut answer);
+            answer
+        }
         ControlFlow::Break(None) => return,
         // The key is free again (the other attempt released it): nothing to replay. Give it
         // back, and tell the caller to come again; its retry runs cleanly.
@@ -413,12 +424,40 @@ fn owner_token() -> Uuid {
     Uuid::from_u64_pair(*PROCESS, COUNTER.fetch_add(1, Relaxed))
 }
 
-/// How long a duplicate may wait for the first request with its key: the layer's budget, within
-/// the deadline a gRPC caller announced (`grpc-timeout`).
-fn wait_budget(settings: &Settings, headers: &HeaderMap) -> Duration {
-    match grpc::deadline(headers) {
-        // Leave the caller a fifth of its deadline to read the answer.
-        Some(deadline) => settings.wait.min(deadline * 4 / 5),
-        None => settings.wait,
+/// How long a duplicate may wait for the first request with its key, and whether that is the
+/// request's own preference.
+#[derive(Debug, Clone, Copy)]
+struct Wait {
+    budget: Duration,
+    /// The request asked (`Prefer: wait=N`) and the layer honors it.
+    preferred: bool,
+}
+
+impl Wait {
+    /// The request's preference up to the layer's maximum, or the layer's budget; within the
+    /// deadline a gRPC caller announced (`grpc-timeout`).
+    fn of(settings: &Settings, headers: &HeaderMap) -> Self {
+        let preferred = headers::preferred_wait(headers);
+        let budget = preferred.map_or(settings.wait, |wait| wait.min(settings.max_wait));
+        let budget = match grpc::deadline(headers) {
+            // Leave the caller a fifth of its deadline to read the answer.
+            Some(deadline) => budget.min(deadline * 4 / 5),
+            None => budget,
+        };
+        Self {
+            budget,
+            preferred: preferred.is_some(),
+        }
+    }
+
+    /// Says on the layer's own answer that the preference was honored, and for how long.
+    fn applied<B>(self, answer: &mut http::Response<B>) {
+        if self.preferred {
+            let applied = format!("wait={}", self.budget.as_secs());
+            let value = http::HeaderValue::try_from(applied).expect("digits");
+            answer
+                .headers_mut()
+                .insert(headers::PREFERENCE_APPLIED, value);
+        }
     }
 }

@@ -209,3 +209,109 @@ async fn trailers_are_replayed() {
     assert_eq!(first.trailers.unwrap(), trailers);
     assert_eq!(runs.load(SeqCst), 1);
 }
+
+/// A duplicate may ask to wait longer than the layer's wait (`Prefer: wait=N`, RFC 7240) and
+/// follows a long first request to its answer instead of getting 409; one without the header
+/// gets today's 409; one asking for more than the layer's maximum waits that maximum; `wait=0`
+/// answers at once. The layer's answers say what it honored (`Preference-Applied`).
+#[tokio::test]
+async fn a_duplicate_that_prefers_to_wait_follows_the_first_to_its_answer() {
+    let store = MemoryStore::new();
+    let layer = IdempotencyLayer::new(store.clone())
+        .with_wait(Duration::from_millis(100))
+        .with_max_wait(Duration::from_secs(3));
+    let gated = Probe::gated();
+    let app = app(&layer, &gated);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_payment("k-prefer", "{}")).await }
+    });
+    gated.started.notified().await;
+    let preferring = |wait: &str| {
+        let mut request = post_payment("k-prefer", "{}");
+        let value = http::HeaderValue::try_from(format!("respond-async, wait={wait}")).unwrap();
+        request.headers_mut().insert("prefer", value);
+        request
+    };
+
+    // Without the header, and with wait=0: 409 at once.
+    let plain = send(&app, post_payment("k-prefer", "{}")).await;
+    assert_eq!(plain.status, StatusCode::CONFLICT);
+    assert!(plain.headers.get("preference-applied").is_none());
+    let at_once = send(&app, preferring("0")).await;
+    assert_eq!(at_once.status, StatusCode::CONFLICT);
+    assert_eq!(at_once.headers["preference-applied"], "wait=0");
+
+    // wait=30, bounded by the layer's 3 s: it waits, and gets the answer when the first ends.
+    let patient = tokio::spawn({
+        let (app, request) = (app.clone(), preferring("30"));
+        async move { send(&app, request).await }
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !patient.is_finished(),
+        "the preferring duplicate did not wait"
+    );
+    gated.release_gate();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    let patient = patient.await.unwrap();
+    assert_eq!(patient.status, StatusCode::CREATED);
+    assert!(patient.replayed());
+    assert_eq!(patient.headers["preference-applied"], "wait=3");
+    assert_eq!(gated.runs(), 1);
+}
+
+/// Past the layer's maximum, a preferring duplicate gets 409 like any other, with what was
+/// honored.
+#[tokio::test]
+async fn a_preference_longer_than_the_maximum_waits_the_maximum() {
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_wait(Duration::ZERO)
+        .with_max_wait(Duration::from_secs(1));
+    let gated = Probe::gated();
+    let app = app(&layer, &gated);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_payment("k-max", "{}")).await }
+    });
+    gated.started.notified().await;
+    let mut request = post_payment("k-max", "{}");
+    request
+        .headers_mut()
+        .insert("prefer", http::HeaderValue::from_static("wait=600"));
+    let started = std::time::Instant::now();
+    let bounded = send(&app, request).await;
+    let waited = started.elapsed();
+    assert_eq!(bounded.status, StatusCode::CONFLICT);
+    assert_eq!(bounded.headers["preference-applied"], "wait=1");
+    assert!(
+        waited >= Duration::from_secs(1),
+        "answered after {waited:?}"
+    );
+    gated.release_gate();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+}
+
+/// The application adjusts replays before they leave (a header of this exchange); the stored
+/// response is not changed by it, and the replay marker stays.
+#[tokio::test]
+async fn replays_pass_through_the_applications_hook() {
+    let layer = IdempotencyLayer::new(MemoryStore::new()).with_replayed_response(|parts| {
+        parts
+            .headers
+            .insert("x-replay", http::HeaderValue::from_static("1"));
+        parts.headers.remove("idempotent-replayed");
+    });
+    let probe = Probe::gated();
+    probe.release_gate();
+    let app = app(&layer, &probe);
+    let first = send(&app, post_payment("k-hook", "{}")).await;
+    assert!(first.headers.get("x-replay").is_none());
+    for _ in 0..2 {
+        let replay = send(&app, post_payment("k-hook", "{}")).await;
+        assert!(replay.replayed());
+        assert_eq!(replay.headers.get_all("x-replay").iter().count(), 1);
+        assert_eq!(replay.body, first.body);
+    }
+    assert_eq!(probe.runs(), 1);
+}
