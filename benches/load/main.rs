@@ -27,6 +27,9 @@
 //! it is left out. "tiered-single" and "postgres-single" are their stores sending every claim
 //! and completion on its own statement (`with_max_batch(1)`), as before batches.
 //!
+//! "redis-cached" and "tiered-cached" are those stores behind `CachedStore` (replays from the
+//! server's memory, for at most 1 s after it stored or read them).
+//!
 //! "node" and "node-single" are the Postgres store (batched, and one call a statement) on a
 //! PostgreSQL server this program starts; "citus-1" and "citus-2" the store built for Citus
 //! (`on_citus`) on a coordinator with one and two workers it starts beside it, every server with
@@ -64,17 +67,18 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tower_idempotency::{
     Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse,
     store::{
-        ClaimOutcome, ClaimRequest, DEFAULT_POSTGRES_BATCH, DISTRIBUTE_ON_CITUS, PARTITION_BY_HASH,
-        PostgresStore, RecordKey, RedisStore, Store, TieredStore,
+        CachedStore, ClaimOutcome, ClaimRequest, DEFAULT_POSTGRES_BATCH, DISTRIBUTE_ON_CITUS,
+        PARTITION_BY_HASH, PostgresStore, RecordKey, RedisStore, Store, TieredStore,
     },
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 18] = [
+const SETUPS: [&str; 20] = [
     "bare",
     "memory",
     "naive",
     "redis",
+    "redis-cached",
     "redis-cluster",
     "naive-valkey",
     "valkey",
@@ -82,6 +86,7 @@ const SETUPS: [&str; 18] = [
     "postgres-single",
     "postgres-partitioned",
     "tiered",
+    "tiered-cached",
     "tiered-single",
     "memory-1mib",
     "memory-1mib-unbounded",

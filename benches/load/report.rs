@@ -101,6 +101,19 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
             }
         }
     }
+    // Replays from the process's memory: what they save, and that a fresh key pays nothing.
+    for (x, y, workload) in [
+        ("redis-cached", "redis", "replay"),
+        ("redis-cached", "naive", "replay"),
+        ("redis-cached", "bare", "replay"),
+        ("tiered-cached", "naive", "replay"),
+        ("redis-cached", "redis", "fresh"),
+        ("tiered-cached", "tiered", "fresh"),
+    ] {
+        if let (Some(a), Some(b)) = (get(x, workload), get(y, workload)) {
+            println!("- {workload}, {x} vs {y}: {:.2}×", ratio(a, b));
+        }
+    }
     for workload in ["fresh", "replay"] {
         let (Some(x), Some(y)) = (get("redis-cluster", workload), get("redis", workload)) else {
             continue;

@@ -59,6 +59,13 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
                 "memory-1mib" => big(MemoryStore::new()),
                 "memory-1mib-unbounded" => big(MemoryStore::new().with_max_bytes(usize::MAX)),
                 "redis" => layered(Arc::new(redis_store(&redis_url, &prefix))),
+                "redis-cached" => {
+                    layered(Arc::new(CachedStore::new(redis_store(&redis_url, &prefix))))
+                }
+                "tiered-cached" => layered(Arc::new(CachedStore::new(TieredStore::new(
+                    redis_store(&redis_url, &prefix),
+                    postgres_store(&database_url, &schema).await,
+                )))),
                 "valkey" => layered(Arc::new(redis_store(&valkey_url, &prefix))),
                 "redis-cluster" => layered(Arc::new(cluster_store(&cluster, &prefix))),
                 "postgres" | "postgres-single" => layered(Arc::new(

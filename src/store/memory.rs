@@ -162,7 +162,7 @@ impl MemoryStore {
 }
 
 /// What a stored response costs the budget: its parts, and a record's own overhead.
-fn size_of(response: &StoredResponse) -> usize {
+pub(super) fn size_of(response: &StoredResponse) -> usize {
     let fields = |map: &http::HeaderMap| {
         map.iter()
             .map(|(name, value)| name.as_str().len() + value.len() + 16)

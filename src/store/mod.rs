@@ -46,6 +46,7 @@ use uuid::Uuid;
 
 use crate::{Fingerprint, IdempotencyKey, StoredResponse};
 
+mod cached;
 mod diagnosis;
 mod memory;
 #[cfg(feature = "postgres")]
@@ -54,6 +55,9 @@ mod postgres;
 mod redis;
 mod tiered;
 
+pub use cached::{
+    CachedStore, DEFAULT_CACHE_BOUND, DEFAULT_CACHE_MAX_BYTES, DEFAULT_CACHE_MAX_ENTRIES,
+};
 pub use diagnosis::{Diagnosis, Finding, NotReady, Severity};
 pub use memory::{DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MAX_ENTRIES, MemoryStore};
 #[cfg(feature = "postgres")]

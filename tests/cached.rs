@@ -1,0 +1,234 @@
+//! Replays from process memory (`CachedStore`) in front of a Redis of the test's own: what the
+//! cache saves is counted at Redis (its command statistics), and every way a cached answer
+//! could go stale is tried: it is never served past the bound.
+
+mod support;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering::SeqCst},
+    },
+    time::Duration,
+};
+
+use axum::{Router, body::Body, routing::post};
+use http::{Request, StatusCode};
+use support::{RedisServer, call};
+use tower_idempotency::{
+    IdempotencyLayer,
+    store::{CachedStore, RecordKey, RedisStore, Store},
+};
+use uuid::Uuid;
+
+const BOUND: Duration = Duration::from_millis(400);
+
+/// The store contract holds through the cache, on a memory store and on Redis.
+mod conformance {
+    use super::*;
+
+    tower_idempotency::store_conformance_tests!(async {
+        CachedStore::new(tower_idempotency::MemoryStore::new())
+    });
+
+    mod on_redis {
+        use super::*;
+
+        tower_idempotency::store_conformance_tests!(async {
+            let store = RedisStore::open(&support::redis_url()).unwrap();
+            CachedStore::new(store.with_prefix(format!("cache:{}:", Uuid::new_v4().simple())))
+        });
+    }
+}
+
+/// An app on `store` whose handler counts its runs and answers with the run's number.
+fn app(store: impl Store, runs: &Arc<AtomicUsize>) -> Router {
+    let runs = Arc::clone(runs);
+    let handler = move || {
+        let runs = Arc::clone(&runs);
+        async move { (StatusCode::CREATED, runs.fetch_add(1, SeqCst).to_string()) }
+    };
+    Router::new()
+        .route("/orders", post(handler))
+        .layer(IdempotencyLayer::new(store).with_retention(Duration::from_secs(60)))
+}
+
+fn order(key: &str, body: &'static str) -> Request<Body> {
+    Request::post("/orders")
+        .header("idempotency-key", key)
+        .body(Body::from(body))
+        .unwrap()
+}
+
+struct Setup {
+    redis: RedisServer,
+    /// The Redis store behind the cache: another process's view of the same records.
+    behind: RedisStore,
+    cached: CachedStore<RedisStore>,
+}
+
+async fn setup() -> Setup {
+    let redis = RedisServer::start().await;
+    let behind = RedisStore::open(&redis.url())
+        .unwrap()
+        .with_prefix(format!("cache:{}:", Uuid::new_v4().simple()));
+    let cached = CachedStore::new(behind.clone()).with_bound(BOUND);
+    Setup {
+        redis,
+        behind,
+        cached,
+    }
+}
+
+fn record(key: &str) -> RecordKey {
+    RecordKey::new(
+        tower_idempotency::scope::ANONYMOUS_SCOPE,
+        key.try_into().unwrap(),
+    )
+}
+
+/// A retry soon after is replayed without a round trip: Redis sees the fresh key's claim and
+/// completion, and nothing for the replays; a fresh key costs what it costs without the cache.
+#[tokio::test]
+async fn replays_soon_after_cost_no_round_trip_and_fresh_keys_cost_the_same() {
+    let setup = setup().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = app(setup.cached.clone(), &runs);
+    let first = call(&app, order("k-hot", "a")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let after_first = setup.redis.calls("evalsha").await;
+    for _ in 0..5 {
+        let replay = call(&app, order("k-hot", "a")).await;
+        assert!(replay.replayed());
+        assert_eq!(replay.body, first.body);
+    }
+    assert_eq!(
+        setup.redis.calls("evalsha").await,
+        after_first,
+        "replays reached Redis"
+    );
+    // A fresh key: the same scripts as without the cache (claim, complete).
+    let uncached = app_without_cache(&setup, &runs);
+    let before = setup.redis.calls("evalsha").await;
+    call(&uncached, order("k-plain", "a")).await;
+    let plain = setup.redis.calls("evalsha").await - before;
+    let before = setup.redis.calls("evalsha").await;
+    call(&app, order("k-fresh", "a")).await;
+    assert_eq!(setup.redis.calls("evalsha").await - before, plain);
+    assert_eq!(runs.load(SeqCst), 3);
+}
+
+fn app_without_cache(setup: &Setup, runs: &Arc<AtomicUsize>) -> Router {
+    app(setup.behind.clone(), runs)
+}
+
+/// Forgotten from another process (an operator's `admin forget`), lost by the store (flushed):
+/// the cached answer is served for at most the bound, then the store decides, and the request
+/// runs again. Forgotten through the cache itself, at once.
+#[tokio::test]
+async fn an_answer_the_store_no_longer_holds_is_served_for_at_most_the_bound() {
+    let setup = setup().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = app(setup.cached.clone(), &runs);
+    for (key, lose) in [("k-forgotten", "forget"), ("k-flushed", "flush")] {
+        assert_eq!(
+            call(&app, order(key, "a")).await.status,
+            StatusCode::CREATED
+        );
+        let ran = runs.load(SeqCst);
+        match lose {
+            "forget" => assert!(setup.behind.forget(&record(key)).await.unwrap()),
+            _ => {
+                let () = redis::cmd("FLUSHALL")
+                    .query_async(&mut setup.redis.admin().await)
+                    .await
+                    .unwrap();
+            }
+        }
+        // Within the bound, still the cached answer.
+        assert!(call(&app, order(key, "a")).await.replayed());
+        tokio::time::sleep(BOUND).await;
+        let again = call(&app, order(key, "a")).await;
+        assert!(!again.replayed(), "{key}: served past the bound");
+        assert_eq!(runs.load(SeqCst), ran + 1, "{key}: the request ran again");
+    }
+    // Forgotten through the cache: the next request runs at once.
+    let ran = runs.load(SeqCst);
+    assert!(setup.cached.forget(&record("k-flushed")).await.unwrap());
+    assert!(!call(&app, order("k-flushed", "a")).await.replayed());
+    assert_eq!(runs.load(SeqCst), ran + 1);
+}
+
+/// A key forgotten and claimed again with another request: a request like the new one goes to
+/// the store (the cache keeps answers by fingerprint) and gets the new answer at once; a request
+/// like the old one may get the old answer, within the bound only.
+#[tokio::test]
+async fn a_key_forgotten_and_reused_by_another_request_is_the_stores_past_the_bound() {
+    let setup = setup().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = app(setup.cached.clone(), &runs);
+    let old = call(&app, order("k-reused", "old")).await;
+    assert!(setup.behind.forget(&record("k-reused")).await.unwrap());
+    let new = call(&app, order("k-reused", "new")).await;
+    assert_eq!(new.status, StatusCode::CREATED);
+    assert!(!new.replayed(), "the new request ran");
+    assert_ne!(new.body, old.body);
+    let replay = call(&app, order("k-reused", "new")).await;
+    assert_eq!(replay.body, new.body);
+    tokio::time::sleep(BOUND).await;
+    let like_the_old = call(&app, order("k-reused", "old")).await;
+    assert_eq!(like_the_old.status, StatusCode::UNPROCESSABLE_ENTITY);
+}
+
+/// The retention ends before the bound: the answer is not served past it.
+#[tokio::test]
+async fn an_answer_is_never_served_past_its_retention() {
+    let setup = setup().await;
+    let cached = CachedStore::new(setup.behind.clone()).with_bound(Duration::from_secs(60));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(cached).with_retention(Duration::from_millis(300));
+    let handler = {
+        let runs = Arc::clone(&runs);
+        move || {
+            let runs = Arc::clone(&runs);
+            async move { (StatusCode::CREATED, runs.fetch_add(1, SeqCst).to_string()) }
+        }
+    };
+    let app = Router::new().route("/orders", post(handler)).layer(layer);
+    call(&app, order("k-short", "a")).await;
+    assert!(call(&app, order("k-short", "a")).await.replayed());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!call(&app, order("k-short", "a")).await.replayed());
+    assert_eq!(runs.load(SeqCst), 2);
+}
+
+/// The cache holds at most its budget: past it, the oldest answers go, and their retries ask
+/// the store (which replays them).
+#[tokio::test]
+async fn the_cache_keeps_to_its_budget() {
+    let setup = setup().await;
+    let cached = CachedStore::new(setup.behind.clone())
+        .with_bound(Duration::from_secs(60))
+        .with_max_entries(2);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = app(cached, &runs);
+    for key in ["k-1", "k-2", "k-3"] {
+        call(&app, order(key, "a")).await;
+    }
+    let before = setup.redis.calls("evalsha").await;
+    for key in ["k-2", "k-3"] {
+        assert!(call(&app, order(key, "a")).await.replayed());
+    }
+    assert_eq!(
+        setup.redis.calls("evalsha").await,
+        before,
+        "k-2 and k-3 are cached"
+    );
+    assert!(call(&app, order("k-1", "a")).await.replayed());
+    assert_eq!(
+        setup.redis.calls("evalsha").await,
+        before + 1,
+        "k-1 was evicted, and replayed by Redis"
+    );
+    assert_eq!(runs.load(SeqCst), 3);
+}
