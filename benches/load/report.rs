@@ -64,11 +64,13 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
             );
         }
     }
-    println!(
-        "\n| floor (claim + complete, {} tasks) | ops/s |",
-        options.connections
-    );
-    println!("|---|---|");
+    if !floors.is_empty() {
+        println!(
+            "\n| floor (claim + complete, {} tasks) | ops/s |",
+            options.connections
+        );
+        println!("|---|---|");
+    }
     for (name, values) in floors {
         println!("| {name} | {:.0} |", median(values.clone()));
     }
