@@ -5,7 +5,10 @@ use std::{
     time::Duration,
 };
 
-use sqlx::{Connection, PgConnection, postgres::PgConnectOptions};
+use sqlx::{
+    Connection, PgConnection,
+    postgres::{PgConnectOptions, PgDatabaseError, PgSeverity},
+};
 use tokio::{
     sync::{Semaphore, SemaphorePermit},
     time::Instant,
@@ -186,14 +189,23 @@ fn too_many_clients(error: &sqlx::Error) -> bool {
 }
 
 /// Whether a connection is still in step with the server after this error: a database error
-/// (the statement failed; the session goes on) leaves it so, except the ones that end the
-/// session (class 57P: the server is shutting down, or an administrator terminated it; class
-/// 08: the connection failed); anything else may not.
+/// whose severity is `ERROR` (the statement failed; the session goes on) leaves it so; one that
+/// ends the session (`FATAL`, `PANIC`: the server is shutting down, an administrator terminated
+/// it) does not, and neither does anything else.
+///
+/// The severity decides, not the code: a Citus coordinator reports a worker it cannot reach as
+/// `08006` (connection failure) at `ERROR`, on a session to the coordinator that goes on.
+/// Taken for the store's own connection, it dropped every idle connection and made each next
+/// statement, for any key, connect again: while one worker was down, keys on the others
+/// answered seconds late or 503.
 fn in_step(error: &sqlx::Error) -> bool {
     match error {
-        sqlx::Error::Database(error) => !error
-            .code()
-            .is_some_and(|code| code.starts_with("57P") || code.starts_with("08")),
+        sqlx::Error::Database(error) => match error.try_downcast_ref::<PgDatabaseError>() {
+            Some(error) => !matches!(error.severity(), PgSeverity::Fatal | PgSeverity::Panic),
+            None => !error
+                .code()
+                .is_some_and(|code| code.starts_with("57P") || code.starts_with("08")),
+        },
         sqlx::Error::RowNotFound => true,
         _ => false,
     }
