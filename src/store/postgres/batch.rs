@@ -93,6 +93,15 @@ pub(super) struct Batches<T> {
 /// How a lane sends one batch of `T`.
 pub(super) type SendBatch<T> = for<'a> fn(&'a PostgresStore, Vec<T>) -> BoxFuture<'a, ()>;
 
+impl<T: Write> Queued<T> {
+    /// Sends the write alone (waiting for its row's lock, if another transaction holds it),
+    /// and its answer to its caller.
+    async fn alone(self, store: &PostgresStore) {
+        let answer = self.call.one(store).await;
+        let _ = self.answer.send(answer);
+    }
+}
+
 impl<T: std::fmt::Debug> std::fmt::Debug for Queued<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.call.fmt(f)
@@ -198,11 +207,7 @@ impl PostgresStore {
     async fn send<T: Write>(&self, batch: Vec<Queued<T>>) {
         if self.distributed {
             // Statements routed to one shard each (`PostgresStore::on_citus`): alone.
-            for queued in batch {
-                let answer = queued.call.one(self).await;
-                let _ = queued.answer.send(answer);
-            }
-            return;
+            return self.send_each(batch).await;
         }
         if batch.len() > 1 {
             tracing::debug!(writes = batch.len(), "{} sent together", T::KIND);
@@ -216,10 +221,7 @@ impl PostgresStore {
                         }
                         None => {
                             let store = self.clone();
-                            tokio::spawn(async move {
-                                let answer = queued.call.one(&store).await;
-                                let _ = queued.answer.send(answer);
-                            });
+                            tokio::spawn(async move { queued.alone(&store).await });
                         }
                     }
                 }
@@ -228,12 +230,14 @@ impl PostgresStore {
                 let queued = batch.into_iter().next().expect("one write");
                 let _ = queued.answer.send(Err(error));
             }
-            Err(_) => {
-                for queued in batch {
-                    let answer = queued.call.one(self).await;
-                    let _ = queued.answer.send(answer);
-                }
-            }
+            Err(_) => self.send_each(batch).await,
+        }
+    }
+
+    /// Each write of `batch` alone, one after the other.
+    async fn send_each<T: Write>(&self, batch: Vec<Queued<T>>) {
+        for queued in batch {
+            queued.alone(self).await;
         }
     }
 
