@@ -10,7 +10,7 @@
 //! payload is the order. The consumers share one durable pull consumer: JetStream hands each
 //! message to one of them, and again to any of them when it is not acknowledged within
 //! `ACK_WAIT_MS` (the consumer is slow, or died) or is handed back (`nak`). A consumer works on
-//! up to `PREFETCH` messages at once; each delivery goes through `Once::run` (see
+//! up to `PREFETCH` messages at once; each delivery goes through `Once` (see
 //! `consumers/shipping.rs`), so a message delivered twice, even to two live consumers at once,
 //! ships once. A lost connection (the server restarted) is made again.
 //!
@@ -25,6 +25,7 @@
 //! | `PREFETCH` | messages worked on at once (10) |
 //! | `WORK_MS` | work per message before its shipment is written (0) |
 //! | `IDEMPOTENCY_LEASE_MS` | the claim's lease (30000) |
+//! | `IDEMPOTENCY_UNITS` | `transaction`: each delivery's claim in its shipment's transaction (`Once::run_in_transaction`); `lease`: under a lease, the shipment fenced (`Once::run`) |
 
 #[path = "consumers/shipping.rs"]
 mod shipping;

@@ -9,7 +9,7 @@
 //!
 //! Each message carries its order id (its idempotency key) as its AMQP `message-id` and the
 //! payload as its body. The consumer takes up to `PREFETCH` messages unacknowledged and works
-//! on all of them at once; each goes through `Once::run` (see `consumers/shipping.rs`): a
+//! on all of them at once; each goes through `Once` (see `consumers/shipping.rs`): a
 //! message delivered twice (published twice, or redelivered after a consumer died with it
 //! unacknowledged) ships once. A message that was delivered is acknowledged; one that was not
 //! (the work failed, or another delivery still ran it after the wait) is handed back
@@ -25,6 +25,7 @@
 //! | `PREFETCH` | messages taken before acknowledging (10) |
 //! | `WORK_MS` | work per message before its shipment is written (0) |
 //! | `IDEMPOTENCY_LEASE_MS` | the claim's lease (30000) |
+//! | `IDEMPOTENCY_UNITS` | `transaction`: each delivery's claim in its shipment's transaction (`Once::run_in_transaction`); `lease`: under a lease, the shipment fenced (`Once::run`) |
 
 #[path = "consumers/shipping.rs"]
 mod shipping;

@@ -10,8 +10,8 @@
 //! Each message carries an `order_id` (its idempotency key) and a `payload`. The consumer reads
 //! new messages with `XREADGROUP`, and takes over messages another consumer left pending for
 //! `CLAIM_IDLE_MS` (it died, or is slow) with `XAUTOCLAIM`: that is how Redis Streams
-//! redelivers. Every delivery goes through `Once::run`: the shipment row is written in a
-//! transaction fenced by the claim, so a message delivered twice (to two consumers at once, or
+//! redelivers. Every delivery goes through `Once`: the shipment row is written in one
+//! transaction with the delivery's claim (or, under leases, fenced by it), so a message delivered twice (to two consumers at once, or
 //! again after a consumer died mid-work) ships once; a delivery that meets another still running
 //! waits for it, and both are acknowledged with the one outcome.
 //!
@@ -23,6 +23,7 @@
 //! | `WORK_MS` | work per message before its shipment is written (0) |
 //! | `CLAIM_IDLE_MS` | how long a message stays pending before another consumer takes it (2000) |
 //! | `IDEMPOTENCY_LEASE_MS` | the claim's lease (30000) |
+//! | `IDEMPOTENCY_UNITS` | `transaction`: each delivery's claim in its shipment's transaction (`Once::run_in_transaction`); `lease`: under a lease, the shipment fenced (`Once::run`) |
 
 #[path = "consumers/shipping.rs"]
 mod shipping;

@@ -57,6 +57,8 @@ use std::{fmt, sync::Arc, time::Duration};
 use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
 
+#[cfg(feature = "postgres")]
+use crate::protocol::deliver_in_transaction;
 use crate::{
     Fingerprint, IdempotencyClaim, IdempotencyKey, KeyError,
     protocol::{Delivered, Engine, State, deliver},
@@ -281,31 +283,89 @@ impl Once {
                 .map(Bytes::from)
                 .map_err(Encoded::Json)
         };
-        let decode = |bytes: Bytes, replayed| {
-            let value = serde_json::from_slice(&bytes).map_err(WorkError::Outcome)?;
-            Ok(Done { value, replayed })
+        let span = self.span(&unit);
+        let delivered = deliver(&self.engine, unit.record, unit.fingerprint, wait, encoded);
+        answered(tracing::Instrument::instrument(delivered, span).await)
+    }
+
+    /// Runs `work` for `unit` in one transaction on a connection of `pool`, with the unit's
+    /// claim and outcome in that same transaction, unless an earlier delivery ran it: for work
+    /// whose effects are all writes to the Postgres this `Once`'s store keeps its keys in
+    /// (alone, or behind Redis). `work` gets the transaction's connection; return from it
+    /// without committing.
+    ///
+    /// One commit per unit, where [`run`](Self::run) makes the claim, the fence and the
+    /// completion each a write: the key's lock is taken first in the transaction (deliveries
+    /// of one key in this mode run one after the other), its row read, the work done, and the
+    /// row written with the outcome last, so the work, the claim and the answer commit together
+    /// or not at all. A delivery whose process dies, or whose work fails, rolls back and leaves
+    /// nothing behind, and its lock ends with its transaction.
+    ///
+    /// What stands for the lease: the transaction's pauses are bounded by
+    /// [`with_lease`](Self::with_lease) (`idle_in_transaction_session_timeout`, for this
+    /// transaction), so a process stalled between statements for longer loses its session, and
+    /// with it everything it would have committed, while the next delivery runs. A delivery that
+    /// finds the key held (its lock, or a lease of the other mode) tries again every 10 to
+    /// 100 ms, holding no connection in between, up to [`with_wait`](Self::with_wait), then gets
+    /// [`WorkError::InFlight`]. Keep what the work does outside the database (a call to another
+    /// service) out of this mode, or idempotent on its own: it is not rolled back.
+    ///
+    /// Units of one key are best run in one mode. They exclude each other across modes all
+    /// the same: a delivery in this mode waits for a key [`run`](Self::run) holds, and the
+    /// row's primary key decides between the two. [`WorkError::Store`] here means nothing
+    /// of the work committed, or, when the commit's answer was lost, all of it did with its
+    /// outcome (the next delivery gets it). Needs one Postgres (not Citus).
+    ///
+    /// ```no_run
+    /// use tower_idempotency::{sqlx::{self, PgPool}, store::PostgresStore, work::{Once, Unit}};
+    ///
+    /// # async fn run(pool: PgPool, order_id: &str, payload: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
+    /// let once = Once::new(PostgresStore::new(pool.clone()));
+    /// let unit = Unit::new("orders", order_id, payload)?;
+    /// let done = once
+    ///     .run_in_transaction(unit, &pool, async |tx: &mut sqlx::PgConnection| {
+    ///         sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
+    ///             .bind(order_id)
+    ///             .execute(&mut *tx)
+    ///             .await?;
+    ///         Ok::<_, sqlx::Error>(format!("shp_{order_id}"))
+    ///     })
+    ///     .await?;
+    /// println!("{} (replayed: {})", done.value, done.replayed);
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    pub async fn run_in_transaction<T, E, F>(
+        &self,
+        unit: Unit,
+        pool: &sqlx::PgPool,
+        work: F,
+    ) -> Result<Done<T>, WorkError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        F: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<T, E>,
+    {
+        let encoded = async |tx: &mut sqlx::PgConnection| -> Result<Bytes, Encoded<E>> {
+            let value = work(tx).await.map_err(Encoded::Work)?;
+            serde_json::to_vec(&value)
+                .map(Bytes::from)
+                .map_err(Encoded::Json)
         };
-        // A span per delivery, as per guarded request: key and scope as pseudonyms.
+        let span = self.span(&unit);
+        let (engine, wait) = (&self.engine, self.engine.settings.wait);
+        let unit = (unit.record, unit.fingerprint);
+        let delivered = deliver_in_transaction(engine, pool, unit, wait, encoded);
+        answered(tracing::Instrument::instrument(delivered, span).await)
+    }
+
+    /// A span per delivery, as per guarded request: key and scope as pseudonyms.
+    fn span(&self, unit: &Unit) -> tracing::Span {
         let settings = &self.engine.settings;
-        let span = tracing::info_span!(
+        tracing::info_span!(
             "idempotency_unit",
             key = %settings.shown(unit.record.key().as_str()),
             scope = %settings.shown(unit.record.scope()),
-        );
-        let delivered = deliver(&self.engine, unit.record, unit.fingerprint, wait, encoded);
-        match tracing::Instrument::instrument(delivered, span).await {
-            Delivered::Executed(bytes) => decode(bytes, false),
-            Delivered::Superseded => Err(WorkError::Superseded),
-            Delivered::Replayed(bytes) => decode(bytes, true),
-            Delivered::Failed(Encoded::Work(error)) => Err(WorkError::Failed(error)),
-            Delivered::Failed(Encoded::Json(error)) => Err(WorkError::Outcome(error)),
-            Delivered::CommittedButFailed | Delivered::OutcomeUnknown => {
-                Err(WorkError::OutcomeUnknown)
-            }
-            Delivered::InFlight { retry_after } => Err(WorkError::InFlight { retry_after }),
-            Delivered::Mismatch => Err(WorkError::Mismatch),
-            Delivered::Store(error) => Err(WorkError::Store(error)),
-        }
+        )
     }
 
     /// Runs `job` for `slot` (say `"nightly-cleanup:2026-12-01"`) unless it ran already or
@@ -460,6 +520,27 @@ where
             let work = |claim: IdempotencyClaim| CLAIM.scope(claim, inner.call(request));
             once.run(unit, work).await
         })
+    }
+}
+
+/// What a delivery answers its caller.
+fn answered<T: DeserializeOwned, E>(
+    delivered: Delivered<Encoded<E>>,
+) -> Result<Done<T>, WorkError<E>> {
+    let decode = |bytes: Bytes, replayed| {
+        let value = serde_json::from_slice(&bytes).map_err(WorkError::Outcome)?;
+        Ok(Done { value, replayed })
+    };
+    match delivered {
+        Delivered::Executed(bytes) => decode(bytes, false),
+        Delivered::Superseded => Err(WorkError::Superseded),
+        Delivered::Replayed(bytes) => decode(bytes, true),
+        Delivered::Failed(Encoded::Work(error)) => Err(WorkError::Failed(error)),
+        Delivered::Failed(Encoded::Json(error)) => Err(WorkError::Outcome(error)),
+        Delivered::CommittedButFailed | Delivered::OutcomeUnknown => Err(WorkError::OutcomeUnknown),
+        Delivered::InFlight { retry_after } => Err(WorkError::InFlight { retry_after }),
+        Delivered::Mismatch => Err(WorkError::Mismatch),
+        Delivered::Store(error) => Err(WorkError::Store(error)),
     }
 }
 

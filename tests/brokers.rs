@@ -192,8 +192,20 @@ async fn nats_jetstream_consumers_ship_each_order_once() {
     consumers_ship_each_order_once(BrokerKind::Nats, "nats_consumer", &env).await;
 }
 
+/// The examples' default: each delivery's claim in its shipment's transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_consumers_ship_each_order_once() {
     let env = [("WORK_MS", "300"), ("PREFETCH", "2")];
+    consumers_ship_each_order_once(BrokerKind::RabbitMq, "rabbitmq_consumer", &env).await;
+}
+
+/// The same under leases (`Once::run`, the shipment fenced).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_consumers_under_leases_ship_each_order_once() {
+    let env = [
+        ("WORK_MS", "300"),
+        ("PREFETCH", "2"),
+        ("IDEMPOTENCY_UNITS", "lease"),
+    ];
     consumers_ship_each_order_once(BrokerKind::RabbitMq, "rabbitmq_consumer", &env).await;
 }

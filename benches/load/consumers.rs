@@ -1,9 +1,11 @@
-//! The consumer row: orders on a RabbitMQ queue, shipped by three consumers, each with a store
-//! and a pool of its own as three processes would have, through the examples' own shipping step
-//! (`Once::run`, the fence with the outcome in the shipment's transaction), against the same
-//! consumers writing the shipment alone ("bare"). Each kind runs twice: deliveries one at a time
-//! (as the examples did before) and the whole prefetch window at once (as they do now, so that
-//! the store's claims and completions go out together).
+//! The consumer rows: orders on a RabbitMQ queue, shipped by three consumers, each with a store
+//! and a pool of its own as three processes would have, through the examples' own shipping step,
+//! against the same consumers writing the shipment alone ("bare"). The step claims either under
+//! a lease (`Once::run`, the fence with the outcome in the shipment's transaction: "once") or in
+//! the shipment's own transaction (`Once::run_in_transaction`, as the examples do by default).
+//! Bare and leased kinds also run with deliveries one at a time (as the examples did before),
+//! beside the whole prefetch window at once (as they do now, so that the store's claims and
+//! completions go out together).
 //!
 //! A run fills a queue of its own, consumes it for the run's seconds (or until it is empty), and
 //! counts what was acknowledged; then it counts the shipments in Postgres, where they were
@@ -23,6 +25,8 @@ use super::*;
 #[allow(dead_code)]
 mod shipping;
 
+use shipping::Units;
+
 /// The consumers of a run, as the RabbitMQ example runs them.
 const CONSUMERS: usize = 3;
 
@@ -33,13 +37,18 @@ const PREFETCH: u16 = 10;
 /// about 4,000 here); a kind that empties the queue is measured until its last acknowledgement.
 const FILL_PER_SECOND: usize = 5_000;
 
-/// The consumer kinds, by name: whether each goes through `Once`, and how many deliveries a
-/// consumer works on at once.
-pub(crate) const CONSUMER_KINDS: [(&str, bool, u16); 4] = [
-    ("bare", false, PREFETCH),
-    ("once", true, PREFETCH),
-    ("bare, one at a time", false, 1),
-    ("once, one at a time", true, 1),
+/// The consumer kinds, by name: how each claims through `Once` (`None`: it does not), and how
+/// many deliveries a consumer works on at once.
+pub(crate) const CONSUMER_KINDS: [(&str, Option<Units>, u16); 5] = [
+    ("bare", None, PREFETCH),
+    ("once", Some(Units::Leased), PREFETCH),
+    (
+        "once, in its transaction",
+        Some(Units::InTransaction),
+        PREFETCH,
+    ),
+    ("bare, one at a time", None, 1),
+    ("once, one at a time", Some(Units::Leased), 1),
 ];
 
 /// The broker, or `None` (and why) when none answers at `AMQP_URL`.
@@ -114,7 +123,7 @@ impl Reading {
 pub(crate) async fn measure_consumers(
     url: &str,
     (database_url, schema): (&str, &str),
-    (once, window): (bool, u16),
+    (units, window): (Option<Units>, u16),
     seconds: Duration,
 ) -> Consumed {
     let run = Uuid::new_v4().simple().to_string();
@@ -127,7 +136,9 @@ pub(crate) async fn measure_consumers(
         let pool = pool_in(database_url, schema, u32::from(PREFETCH)).await;
         let lease = Duration::from_secs(30);
         let consumer = format!("consumer-{n}");
-        let shipping = shipping::Shipping::on(pool.clone(), consumer, Duration::ZERO, lease);
+        let units = units.unwrap_or(Units::InTransaction);
+        let shipping =
+            shipping::Shipping::on(pool.clone(), consumer, (Duration::ZERO, lease), units);
         shippings.push((shipping.await, pool));
     }
     let acked = Arc::new(AtomicU64::new(0));
@@ -135,7 +146,7 @@ pub(crate) async fn measure_consumers(
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + seconds;
     let consumers = shippings.iter().map(|(shipping, pool)| {
-        let (acked, kind) = (Arc::clone(&acked), (once, window));
+        let (acked, kind) = (Arc::clone(&acked), (units.is_some(), window));
         consume(
             url, &queue, shipping, pool, kind, deadline, acked, published,
         )

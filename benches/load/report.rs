@@ -282,6 +282,11 @@ pub(crate) fn print_consumers(consumed: &BTreeMap<&str, Vec<Consumed>>) {
     for (a, b, what) in [
         ("once", "bare", "through Once vs bare, the window at once"),
         (
+            "once, in its transaction",
+            "bare",
+            "through Once in the shipment's transaction vs bare, the window at once",
+        ),
+        (
             "once, one at a time",
             "bare, one at a time",
             "through Once vs bare, one at a time",

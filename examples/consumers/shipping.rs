@@ -5,8 +5,9 @@
 
 use std::{env, time::Duration};
 
-use sqlx::{PgPool, postgres::PgPoolOptions};
+use sqlx::{PgConnection, PgPool, postgres::PgPoolOptions};
 use tower_idempotency::{
+    IdempotencyClaim,
     store::{PostgresStore, Store},
     work::{Once, Unit, WorkError},
 };
@@ -42,6 +43,27 @@ pub fn log() {
         .init();
 }
 
+/// How a delivery claims its order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Units {
+    /// In the shipment's own transaction (`Once::run_in_transaction`), the default.
+    InTransaction,
+    /// Under a lease renewed while it works, the shipment fenced (`Once::run`):
+    /// `IDEMPOTENCY_UNITS=lease`.
+    Leased,
+}
+
+impl Units {
+    /// `IDEMPOTENCY_UNITS`: `transaction` (the default) or `lease`.
+    pub fn from_env() -> Self {
+        match var("IDEMPOTENCY_UNITS", "transaction").as_str() {
+            "lease" => Self::Leased,
+            "transaction" => Self::InTransaction,
+            other => panic!("IDEMPOTENCY_UNITS={other}: `transaction` or `lease`"),
+        }
+    }
+}
+
 /// Where shipments are written, and how: the `shipments` table in `DATABASE_URL`, and
 /// `Once` on the same Postgres.
 pub struct Shipping {
@@ -49,11 +71,14 @@ pub struct Shipping {
     pool: PgPool,
     consumer: String,
     work: Duration,
+    units: Units,
 }
 
 impl Shipping {
     /// Connects to `DATABASE_URL`, runs the crate's migrations and makes the `shipments`
-    /// table. `WORK_MS` of work per message; `IDEMPOTENCY_LEASE_MS` the claim's lease.
+    /// table. `WORK_MS` of work per message; `IDEMPOTENCY_LEASE_MS` the claim's lease (in a
+    /// transaction, the longest pause between its statements); `IDEMPOTENCY_UNITS` how
+    /// deliveries claim ([`Units::from_env`]).
     pub async fn open(consumer: String) -> Self {
         let pool = PgPoolOptions::new()
             .max_connections(POOL_CONNECTIONS)
@@ -61,11 +86,17 @@ impl Shipping {
             .await
             .expect("Postgres");
         let (work, lease) = (millis("WORK_MS", 0), millis("IDEMPOTENCY_LEASE_MS", 30_000));
-        Self::on(pool, consumer, work, lease).await
+        Self::on(pool, consumer, (work, lease), Units::from_env()).await
     }
 
-    /// [`open`](Self::open) on `pool`: `work` per message, claims leased for `lease`.
-    pub async fn on(pool: PgPool, consumer: String, work: Duration, lease: Duration) -> Self {
+    /// [`open`](Self::open) on `pool`: `work` per message, claims leased for `lease`, made as
+    /// `units` says.
+    pub async fn on(
+        pool: PgPool,
+        consumer: String,
+        (work, lease): (Duration, Duration),
+        units: Units,
+    ) -> Self {
         // The connection budget: the store's 4 (a lane each for claims and completions, so that
         // a window's deliveries share their statements), its renewals' 4 and the pool's 10 for
         // the shipments' own transactions: 18 per consumer.
@@ -99,40 +130,58 @@ impl Shipping {
             pool,
             consumer,
             work,
+            units,
         }
     }
 
-    /// One delivery of `order_id`'s message: the shipment, once per order, fenced, its outcome
-    /// stored with it. Whether to acknowledge the message: not when it was not delivered (it
-    /// failed, or another delivery still runs it), so that the broker delivers it again.
+    /// One delivery of `order_id`'s message: the shipment, once per order, its outcome stored
+    /// with it. Whether to acknowledge the message: not when it was not delivered (it failed,
+    /// or another delivery still runs it), so that the broker delivers it again.
     pub async fn ship(&self, order_id: &str, payload: &[u8]) -> bool {
         let Ok(unit) = Unit::new("orders", order_id, payload) else {
             tracing::error!(%order_id, "a message without a valid order id: dropped");
             return true;
         };
         let (pool, consumer, work) = (&self.pool, &self.consumer, self.work);
-        let shipped = self
-            .once
-            .run(unit, |claim| async move {
-                tokio::time::sleep(work).await;
-                let mut tx = pool.begin().await?;
-                // The fence, with the outcome: a delivery whose claim another took over writes
-                // nothing, and a consumer killed right after this commit leaves the next
-                // delivery its outcome, not "outcome unknown".
-                let outcome = format!("shipped by {consumer}");
-                claim
-                    .commit_with_outcome(&mut tx, &outcome)
-                    .await
-                    .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-                sqlx::query("INSERT INTO shipments (order_id, consumer) VALUES ($1, $2)")
-                    .bind(claim.key().as_str())
-                    .bind(consumer)
-                    .execute(&mut *tx)
-                    .await?;
-                tx.commit().await?;
-                Ok::<_, sqlx::Error>(outcome)
-            })
-            .await;
+        let insert = "INSERT INTO shipments (order_id, consumer) VALUES ($1, $2)";
+        let shipped = match self.units {
+            // The shipment, the claim and the outcome in one transaction: one commit, and a
+            // delivery that dies or stalls past its lease commits none of them.
+            Units::InTransaction => {
+                let ship = async |tx: &mut PgConnection| {
+                    tokio::time::sleep(work).await;
+                    sqlx::query(insert)
+                        .bind(order_id)
+                        .bind(consumer)
+                        .execute(&mut *tx)
+                        .await?;
+                    Ok::<_, sqlx::Error>(format!("shipped by {consumer}"))
+                };
+                self.once.run_in_transaction(unit, pool, ship).await
+            }
+            Units::Leased => {
+                let ship = |claim: IdempotencyClaim| async move {
+                    tokio::time::sleep(work).await;
+                    let mut tx = pool.begin().await?;
+                    // The fence, with the outcome: a delivery whose claim another took over
+                    // writes nothing, and a consumer killed right after this commit leaves the
+                    // next delivery its outcome, not "outcome unknown".
+                    let outcome = format!("shipped by {consumer}");
+                    claim
+                        .commit_with_outcome(&mut tx, &outcome)
+                        .await
+                        .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+                    sqlx::query(insert)
+                        .bind(claim.key().as_str())
+                        .bind(consumer)
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    Ok::<_, sqlx::Error>(outcome)
+                };
+                self.once.run(unit, ship).await
+            }
+        };
         match shipped {
             Ok(done) => {
                 let outcome = &done.value;

@@ -28,6 +28,8 @@ use tokio::{sync::oneshot, time::Instant};
 use tower_service::Service;
 use uuid::Uuid;
 
+#[cfg(feature = "postgres")]
+pub(crate) use self::work::deliver_in_transaction;
 pub(crate) use self::work::{Delivered, deliver};
 use self::{
     claim::Grant,

@@ -205,3 +205,108 @@ async fn claimed<E>(
         Err(error) => Err(Delivered::Store(error)),
     }
 }
+
+/// Runs `work` for `record` in one transaction on a connection of `pool`, the key's claim and
+/// outcome in the same transaction ([`crate::work::Once::run_in_transaction`]); or says why the
+/// work did not run. Counted in `idempotency_units_total`.
+#[cfg(feature = "postgres")]
+pub(crate) async fn deliver_in_transaction<F, E>(
+    engine: &Engine,
+    pool: &sqlx::PgPool,
+    (record, fingerprint): (RecordKey, Fingerprint),
+    wait: Duration,
+    work: F,
+) -> Delivered<E>
+where
+    F: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
+{
+    let delivered = in_transaction(engine, pool, (&record, &fingerprint), wait, work).await;
+    if let Delivered::Executed(_) = delivered {
+        engine.state.waiters.wake(&record);
+    }
+    engine.telemetry.unit(delivered.outcome());
+    delivered
+}
+
+/// See [`deliver_in_transaction`]. Reads the key under its lock until it is free (another
+/// delivery holding it, in either mode, is waited for, polling, up to `wait`); runs the work
+/// once; writes the key's row with the outcome and commits. A row written meanwhile by an owner in the other mode
+/// (which the lock does not hold back) is read again: its outcome, or, when it was freed
+/// again, [`Delivered::Superseded`], since the work ran and was rolled back.
+#[cfg(feature = "postgres")]
+async fn in_transaction<F, E>(
+    engine: &Engine,
+    pool: &sqlx::PgPool,
+    unit: (&RecordKey, &Fingerprint),
+    wait: Duration,
+    work: F,
+) -> Delivered<E>
+where
+    F: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
+{
+    use crate::store::unit::{self, Seen};
+    let settings = &engine.settings;
+    let deadline = Instant::now() + wait;
+    let mut work = Some(work);
+    loop {
+        let mut tx = match pool.begin().await {
+            Ok(tx) => tx,
+            Err(error) => return Delivered::Store(unit::failed(error)),
+        };
+        let replaced = match unit::begin(&mut tx, unit.0, unit.1, settings.lease).await {
+            Ok(Seen::Free) => None,
+            Ok(Seen::Expired(fence)) => Some(fence),
+            Ok(held @ (Seen::Locked | Seen::InFlight(_))) if Instant::now() < deadline => {
+                drop(tx);
+                let left = if let Seen::InFlight(left) = held {
+                    left
+                } else {
+                    Duration::ZERO
+                };
+                let poll = left.clamp(Duration::from_millis(10), Duration::from_millis(100));
+                tokio::time::sleep_until(deadline.min(Instant::now() + poll)).await;
+                continue;
+            }
+            Ok(seen) => return already(seen, settings.lease),
+            Err(error) => return Delivered::Store(error),
+        };
+        let Some(work) = work.take() else {
+            return Delivered::Superseded;
+        };
+        let started = Instant::now();
+        let outcome = match work(&mut tx).await {
+            Ok(outcome) => outcome,
+            Err(error) => return Delivered::Failed(error),
+        };
+        engine.telemetry.handler_took(started.elapsed());
+        let stored = StoredResponse::of_outcome(outcome.clone());
+        let retention = settings.retention;
+        match unit::complete(&mut tx, unit, replaced, &stored, retention).await {
+            Ok(true) => {}
+            Ok(false) => continue,
+            Err(error) => return Delivered::Store(error),
+        }
+        return match tx.commit().await {
+            Ok(()) => Delivered::Executed(outcome),
+            Err(error) => Delivered::Store(unit::failed(error)),
+        };
+    }
+}
+
+/// What a delivery gets from a key another delivery ran, or holds (in this mode, for up to
+/// `lease` between its statements).
+#[cfg(feature = "postgres")]
+fn already<E>(seen: crate::store::unit::Seen, lease: Duration) -> Delivered<E> {
+    use crate::store::unit::Seen;
+    match seen {
+        Seen::Completed(response) if response.status() == StatusCode::OK => {
+            Delivered::Replayed(response.body().cloned().unwrap_or_default())
+        }
+        Seen::Completed(_) => Delivered::CommittedButFailed,
+        Seen::Mismatch => Delivered::Mismatch,
+        Seen::Orphaned => Delivered::OutcomeUnknown,
+        Seen::InFlight(retry_after) => Delivered::InFlight { retry_after },
+        Seen::Locked => Delivered::InFlight { retry_after: lease },
+        Seen::Free | Seen::Expired(_) => Delivered::Superseded,
+    }
+}

@@ -67,7 +67,7 @@ pub use postgres::{
     PostgresStore, RecoveryPoint,
 };
 #[cfg(feature = "postgres")]
-pub(crate) use postgres::{advance, commit, recovery_point};
+pub(crate) use postgres::{advance, commit, recovery_point, unit};
 #[cfg(feature = "redis")]
 pub use redis::{DEFAULT_REDIS_TIMEOUT, RedisStore};
 pub use tiered::{DEFAULT_BREAKER_COOLDOWN, TieredStore};

@@ -72,6 +72,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "fence in plpgsql",
         include_str!("../../../migrations/20261202000000_fence_in_plpgsql.sql"),
     ),
+    (
+        20261202000001,
+        "units in one transaction",
+        include_str!("../../../migrations/20261202000001_units_in_one_transaction.sql"),
+    ),
 ];
 
 /// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 4 ways:

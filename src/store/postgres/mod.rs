@@ -7,6 +7,7 @@ mod diagnose;
 mod fence;
 mod migrations;
 mod sql;
+pub(crate) mod unit;
 
 use std::{
     future::Future,

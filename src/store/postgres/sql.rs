@@ -432,3 +432,31 @@ WHERE state IN ('in_flight', 'committed') AND response IS NULL AND expires_at > 
 ORDER BY created_at
 LIMIT $2
 ";
+
+/// A unit in its own transaction, first: the key's lock if it is free (`locked`), the
+/// transaction's pauses bounded by $3 ms, and the key's row (`state` null: none), one row
+/// always (migration `20261202000001`).
+pub(super) const UNIT_BEGIN: &str = "SELECT * FROM idempotency_unit_begin($1, $2, $3)";
+
+/// A unit in its own transaction, last, when it found no row: the row, completed with the
+/// outcome ($6 status, $7 the encoded answer) and kept for $5 ms, under a new fence. A plain
+/// insert (no `ON CONFLICT`, whose speculative insertion costs a WAL record more): another
+/// delivery's row, which the key's lock makes rare, is a unique violation.
+pub(super) const UNIT_INSERT: &str = r"
+INSERT INTO idempotency_keys
+    (scope, key, fingerprint, state, owner, fence, lease_until, expires_at, status, response)
+VALUES ($1, $2, $3, 'completed', $4, nextval('idempotency_fence'), clock_timestamp(),
+        clock_timestamp() + $5::float8 * interval '1 millisecond', $6, $7)
+";
+
+/// A unit in its own transaction, last, in place of the expired row it read (fence $8): the
+/// same, never over another row.
+pub(super) const UNIT_REPLACE: &str = r"
+UPDATE idempotency_keys
+SET fingerprint = $3, state = 'completed', owner = $4, fence = nextval('idempotency_fence'),
+    lease_until = clock_timestamp(),
+    expires_at = clock_timestamp() + $5::float8 * interval '1 millisecond', status = $6,
+    response = $7, suspect = false, recovery_point = NULL, recovery_payload = NULL,
+    created_at = now(), updated_at = now()
+WHERE scope = $1 AND key = $2 AND fence = $8
+";

@@ -1,0 +1,123 @@
+//! A unit of work claimed inside its own transaction
+//! ([`Once::run_in_transaction`](crate::work::Once::run_in_transaction)): the key's lock and
+//! row are read first in the delivery's transaction, and its outcome written last in it, so the
+//! work, the claim and the answer commit together or not at all.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::{PgConnection, Row};
+
+use super::{STORE, millis, sql::*};
+use crate::{
+    Fingerprint, StoredResponse,
+    store::{RecordKey, StoreError},
+};
+
+/// What the key's row said once the delivery held the key's lock.
+#[derive(Debug)]
+pub(crate) enum Seen {
+    /// Another delivery in this mode holds the key's lock: roll back, and try again shortly.
+    Locked,
+    /// No row: the key is free.
+    Free,
+    /// A row the delivery may replace, by its fence: its record expired, or an owner in the
+    /// other mode let its lease run out before committing.
+    Expired(i64),
+    /// The key's stored outcome.
+    Completed(Box<StoredResponse>),
+    /// The key was first used with another payload.
+    Mismatch,
+    /// An owner in the other mode ([`Once::run`](crate::work::Once::run)) holds the key, for
+    /// about this long yet.
+    InFlight(Duration),
+    /// An owner in the other mode committed its work and died before storing its outcome.
+    Orphaned,
+}
+
+/// Takes `record`'s lock in the transaction on `connection` if it is free, bounds the
+/// transaction's pauses by `lease`, and reads the key's row.
+pub(crate) async fn begin(
+    connection: &mut PgConnection,
+    record: &RecordKey,
+    fingerprint: &Fingerprint,
+    lease: Duration,
+) -> Result<Seen, StoreError> {
+    let row = sqlx::query(UNIT_BEGIN)
+        .bind(record.scope())
+        .bind(record.key().as_str())
+        .bind(millis(lease))
+        .fetch_one(connection)
+        .await
+        .map_err(failed)?;
+    if !row.try_get::<bool, _>("locked").map_err(failed)? {
+        return Ok(Seen::Locked);
+    }
+    let Some(state) = row.try_get::<Option<String>, _>("state").map_err(failed)? else {
+        return Ok(Seen::Free);
+    };
+    let column = |name| {
+        row.try_get::<Option<bool>, _>(name)
+            .map(|b| b == Some(true))
+    };
+    let (leased, live) = (
+        column("leased").map_err(failed)?,
+        column("live").map_err(failed)?,
+    );
+    let fence: i64 = row.try_get("fence").map_err(failed)?;
+    let stored: Vec<u8> = row.try_get("fingerprint").map_err(failed)?;
+    let response: Option<Vec<u8>> = row.try_get("response").map_err(failed)?;
+    Ok(match (state.as_str(), response) {
+        _ if !live => Seen::Expired(fence),
+        _ if stored[..] != fingerprint.as_bytes()[..] => Seen::Mismatch,
+        (_, Some(response)) => Seen::Completed(Box::new(
+            StoredResponse::decode(Bytes::from(response))
+                .map_err(|e| StoreError::corrupt(STORE, record, e))?,
+        )),
+        (_, None) if leased => {
+            let left: Option<i64> = row.try_get("lease_ms").map_err(failed)?;
+            Seen::InFlight(Duration::from_millis(left.unwrap_or(0).max(0) as u64))
+        }
+        ("in_flight", None) => Seen::Expired(fence),
+        _ => Seen::Orphaned,
+    })
+}
+
+/// Writes `record`'s row, completed with `outcome` and kept for `retention`, in the transaction
+/// on `connection`: a new row, or in place of the one whose fence is `replaced`. `false` when
+/// another delivery's row is there instead (the transaction may be aborted: roll back and read
+/// it).
+pub(crate) async fn complete(
+    connection: &mut PgConnection,
+    (record, fingerprint): (&RecordKey, &Fingerprint),
+    replaced: Option<i64>,
+    outcome: &StoredResponse,
+    retention: Duration,
+) -> Result<bool, StoreError> {
+    let written = sqlx::query(if replaced.is_some() {
+        UNIT_REPLACE
+    } else {
+        UNIT_INSERT
+    })
+    .bind(record.scope())
+    .bind(record.key().as_str())
+    .bind(&fingerprint.as_bytes()[..])
+    .bind(uuid::Uuid::new_v4())
+    .bind(millis(retention))
+    .bind(outcome.status().as_u16() as i16)
+    .bind(outcome.encode().to_vec());
+    let written = match replaced {
+        Some(fence) => written.bind(fence),
+        None => written,
+    };
+    match written.execute(connection).await {
+        Ok(done) => Ok(done.rows_affected() == 1),
+        Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
+        Err(error) => Err(failed(error)),
+    }
+}
+
+/// `error` as the store's.
+pub(crate) fn failed(error: sqlx::Error) -> StoreError {
+    StoreError::backend(STORE, error)
+}

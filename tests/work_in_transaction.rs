@@ -1,0 +1,354 @@
+//! Units of work claimed in their own transaction (`Once::run_in_transaction`): the work, the
+//! claim and the outcome commit together or not at all. Effects are counted in the shipments
+//! table, where the work writes them.
+
+mod support;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering::SeqCst},
+    },
+    time::{Duration, Instant},
+};
+
+use sqlx::{PgConnection, PgPool};
+use support::TestSchema;
+use tower_idempotency::{
+    store::{PostgresStore, RecordState, Store},
+    work::{Once, Unit, WorkError},
+};
+
+fn unit(key: &str, payload: &str) -> Unit {
+    Unit::new("orders", key, payload.as_bytes()).unwrap()
+}
+
+/// A schema with a `shipments` table without a key of its own, so a second shipment of an
+/// order would show; and the store on it.
+async fn shipments_schema() -> (TestSchema, PostgresStore) {
+    let schema = TestSchema::new().await;
+    sqlx::query("CREATE TABLE shipments (order_id text NOT NULL, by text NOT NULL)")
+        .execute(&schema.pool)
+        .await
+        .unwrap();
+    let store = PostgresStore::new(schema.pool.clone());
+    (schema, store)
+}
+
+/// The shipments of `key`, by whom.
+async fn shipped(pool: &PgPool, key: &str) -> Vec<String> {
+    sqlx::query_scalar("SELECT by FROM shipments WHERE order_id = $1")
+        .bind(key)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Ships `key` as `by`, counting the runs in `runs`.
+async fn ship(
+    tx: &mut PgConnection,
+    key: &str,
+    by: &str,
+    runs: &AtomicUsize,
+) -> Result<String, sqlx::Error> {
+    runs.fetch_add(1, SeqCst);
+    sqlx::query("INSERT INTO shipments (order_id, by) VALUES ($1, $2)")
+        .bind(key)
+        .bind(by)
+        .execute(&mut *tx)
+        .await?;
+    Ok(format!("shipped by {by}"))
+}
+
+/// The transaction that wrote `key`'s shipment and the one that wrote its key's row.
+async fn writers(pool: &PgPool, key: &str) -> (String, String) {
+    let shipment = "SELECT xmin::text FROM shipments WHERE order_id = $1";
+    let record = "SELECT xmin::text FROM idempotency_keys WHERE key = $1";
+    let read = async |sql| {
+        sqlx::query_scalar(sql)
+            .bind(key)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    };
+    (read(shipment).await, read(record).await)
+}
+
+/// The first delivery ships, in one transaction with its key's row; later deliveries, in this
+/// mode or through `Once::run`, get its outcome without running; another payload is a
+/// mismatch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unit_in_its_transaction_commits_with_its_key_and_later_deliveries_get_its_outcome() {
+    let (schema, store) = shipments_schema().await;
+    let once = Once::new(store.clone());
+    let (pool, runs) = (&schema.pool, AtomicUsize::new(0));
+    let runs = &runs;
+
+    let first = once
+        .run_in_transaction(unit("o-1", "{}"), pool, async |tx: &mut PgConnection| {
+            ship(tx, "o-1", "first", runs).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (first.value.as_str(), first.replayed),
+        ("shipped by first", false)
+    );
+    let (shipment, record) = writers(pool, "o-1").await;
+    assert_eq!(
+        shipment, record,
+        "the shipment and the key committed together"
+    );
+
+    let again = once
+        .run_in_transaction(unit("o-1", "{}"), pool, async |tx: &mut PgConnection| {
+            ship(tx, "o-1", "again", runs).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.value.as_str(), again.replayed),
+        ("shipped by first", true)
+    );
+    let leased = once
+        .run(unit("o-1", "{}"), |_| async {
+            Ok::<_, std::io::Error>("ran".to_owned())
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (leased.value.as_str(), leased.replayed),
+        ("shipped by first", true)
+    );
+    let other = once
+        .run_in_transaction(
+            unit("o-1", "{\"n\":2}"),
+            pool,
+            async |tx: &mut PgConnection| ship(tx, "o-1", "other", runs).await,
+        )
+        .await;
+    assert!(matches!(other, Err(WorkError::Mismatch)), "{other:?}");
+
+    assert_eq!(runs.load(SeqCst), 1);
+    assert_eq!(shipped(pool, "o-1").await, ["first"]);
+    let record = unit("o-1", "{}").record().clone();
+    let info = store.inspect(&record).await.unwrap().unwrap();
+    assert_eq!(info.state, RecordState::Completed);
+    schema.drop().await;
+}
+
+/// Work that fails rolls back its writes and leaves no key behind: the next delivery runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_unit_in_its_transaction_leaves_nothing_and_the_next_delivery_runs_it() {
+    let (schema, store) = shipments_schema().await;
+    let once = Once::new(store);
+    let (pool, runs) = (&schema.pool, AtomicUsize::new(0));
+    let runs = &runs;
+    let failed = once
+        .run_in_transaction(unit("o-2", "{}"), pool, async |tx: &mut PgConnection| {
+            ship(tx, "o-2", "failing", runs).await?;
+            Err::<String, _>(sqlx::Error::Protocol("the carrier refused".into()))
+        })
+        .await;
+    assert!(matches!(failed, Err(WorkError::Failed(_))), "{failed:?}");
+    assert!(
+        shipped(pool, "o-2").await.is_empty(),
+        "its write rolled back"
+    );
+    let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(keys, 0, "no key left behind");
+
+    let done = once
+        .run_in_transaction(unit("o-2", "{}"), pool, async |tx: &mut PgConnection| {
+            ship(tx, "o-2", "second", runs).await
+        })
+        .await
+        .unwrap();
+    assert!(!done.replayed);
+    assert_eq!(shipped(pool, "o-2").await, ["second"]);
+    schema.drop().await;
+}
+
+/// Five deliveries of one order at once: one ships, the others wait for its lock and get its
+/// outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_deliveries_in_their_transactions_ship_once() {
+    let (schema, store) = shipments_schema().await;
+    let once = Once::new(store);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let deliveries = (0..5).map(|n| {
+        let (once, pool, runs) = (once.clone(), schema.pool.clone(), Arc::clone(&runs));
+        tokio::spawn(async move {
+            let by = format!("delivery-{n}");
+            let work = async |tx: &mut PgConnection| {
+                let shipped = ship(tx, "o-3", &by, &runs).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                shipped
+            };
+            once.run_in_transaction(unit("o-3", "{}"), &pool, work)
+                .await
+                .unwrap()
+        })
+    });
+    let done = futures_util::future::join_all(deliveries).await;
+    let done: Vec<_> = done.into_iter().map(Result::unwrap).collect();
+    assert_eq!(runs.load(SeqCst), 1);
+    assert_eq!(done.iter().filter(|d| d.replayed).count(), 4);
+    let shipments = shipped(&schema.pool, "o-3").await;
+    assert_eq!(shipments.len(), 1);
+    assert!(
+        done.iter()
+            .all(|d| d.value == format!("shipped by {}", shipments[0]))
+    );
+    schema.drop().await;
+}
+
+/// A delivery stalled inside its transaction for longer than its lease (its process paused)
+/// loses its session: the waiting delivery ships, and the stalled one commits nothing when it
+/// wakes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_stalled_past_its_lease_commits_nothing_and_the_next_ships() {
+    let (schema, store) = shipments_schema().await;
+    let lease = Duration::from_millis(500);
+    let once = Once::new(store)
+        .with_lease(lease)
+        .with_wait(Duration::from_secs(10));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let stalled = tokio::spawn({
+        let (once, pool, runs) = (once.clone(), schema.pool.clone(), Arc::clone(&runs));
+        async move {
+            let work = async |tx: &mut PgConnection| {
+                let shipped = ship(tx, "o-4", "stalled", &runs).await;
+                tokio::time::sleep(lease * 3).await;
+                shipped
+            };
+            once.run_in_transaction(unit("o-4", "{}"), &pool, work)
+                .await
+        }
+    });
+    while runs.load(SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let started = Instant::now();
+    let next = once
+        .run_in_transaction(
+            unit("o-4", "{}"),
+            &schema.pool,
+            async |tx: &mut PgConnection| ship(tx, "o-4", "next", &runs).await,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (next.value.as_str(), next.replayed),
+        ("shipped by next", false)
+    );
+    assert!(
+        started.elapsed() < lease * 3,
+        "not after the stalled one woke"
+    );
+    let stalled = stalled.await.unwrap();
+    assert!(matches!(stalled, Err(WorkError::Store(_))), "{stalled:?}");
+    assert_eq!(shipped(&schema.pool, "o-4").await, ["next"]);
+    schema.drop().await;
+}
+
+/// Across modes: a delivery in its transaction waits for a key `Once::run` holds and gets its
+/// outcome; and one that finds a key `Once::run` left in flight past its lease (its process
+/// gone) takes it over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unit_in_its_transaction_waits_for_a_leased_owner_and_takes_over_a_lapsed_one() {
+    let (schema, store) = shipments_schema().await;
+    let lease = Duration::from_millis(300);
+    let once = Once::new(store).with_lease(lease);
+    let (pool, runs) = (&schema.pool, AtomicUsize::new(0));
+    let runs = &runs;
+    let held = tokio::spawn({
+        let once = once.clone();
+        async move {
+            let work = |_| async {
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                Ok::<_, std::io::Error>("shipped under a lease".to_owned())
+            };
+            once.run(unit("o-5", "{}"), work).await.unwrap()
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waited = once
+        .run_in_transaction(unit("o-5", "{}"), pool, async |tx: &mut PgConnection| {
+            ship(tx, "o-5", "in-transaction", runs).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (waited.value.as_str(), waited.replayed),
+        ("shipped under a lease", true)
+    );
+    assert!(!held.await.unwrap().replayed);
+
+    // A lease-mode delivery whose task is gone mid-work: no renewals, no release.
+    let gone = tokio::spawn({
+        let once = once.clone();
+        async move {
+            let work = |_| std::future::pending::<Result<String, std::io::Error>>();
+            once.run(unit("o-6", "{}"), work).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    gone.abort();
+    let taken = once
+        .run_in_transaction(unit("o-6", "{}"), pool, async |tx: &mut PgConnection| {
+            ship(tx, "o-6", "taker", runs).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (taken.value.as_str(), taken.replayed),
+        ("shipped by taker", false)
+    );
+    assert_eq!(shipped(pool, "o-6").await, ["taker"]);
+    assert_eq!(runs.load(SeqCst), 1, "o-5 did not run in this mode");
+    schema.drop().await;
+}
+
+/// A delivery under a lease claims the key while one in its transaction works on it (the lock
+/// does not hold the other mode back, and the row is written last): the key's primary key
+/// decides, the one in its transaction rolls back and gets the other's outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_claimed_under_a_lease_meanwhile_rolls_the_transaction_back() {
+    let (schema, store) = shipments_schema().await;
+    let once = Once::new(store);
+    let pool = &schema.pool;
+    let leased = Arc::new(tokio::sync::Notify::new());
+    let work = async |tx: &mut PgConnection| {
+        ship(tx, "o-7", "in-transaction", &AtomicUsize::new(0)).await?;
+        let other = tokio::spawn({
+            let (once, pool, leased) = (once.clone(), pool.clone(), Arc::clone(&leased));
+            async move {
+                let work = |_| async move {
+                    leased.notify_one();
+                    let mut tx = pool.begin().await?;
+                    ship(&mut tx, "o-7", "leased", &AtomicUsize::new(0)).await?;
+                    tx.commit().await?;
+                    Ok::<_, sqlx::Error>("shipped by leased".to_owned())
+                };
+                once.run(unit("o-7", "{}"), work).await.unwrap()
+            }
+        });
+        leased.notified().await;
+        drop(other);
+        Ok::<_, sqlx::Error>("shipped by in-transaction".to_owned())
+    };
+    let done = once
+        .run_in_transaction(unit("o-7", "{}"), pool, work)
+        .await
+        .unwrap();
+    assert_eq!(
+        (done.value.as_str(), done.replayed),
+        ("shipped by leased", true)
+    );
+    assert_eq!(shipped(pool, "o-7").await, ["leased"]);
+    schema.drop().await;
+}
