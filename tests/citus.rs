@@ -319,7 +319,8 @@ async fn the_doctor_knows_a_citus_coordinator_and_how_the_table_is_distributed()
     );
 
     // A later migration that replaces the fence function with the one-Postgres form.
-    let plpgsql = MIGRATOR.iter().last().unwrap().sql.as_str().to_owned();
+    let plpgsql = MIGRATOR.iter().find(|m| m.version == 20261202000000);
+    let plpgsql = plpgsql.unwrap().sql.as_str().to_owned();
     sqlx::raw_sql(sqlx::AssertSqlSafe(plpgsql))
         .execute(&pool)
         .await
