@@ -62,6 +62,31 @@ macro_rules! store_conformance_tests {
     };
 }
 
+/// Generates one `#[tokio::test]` per tombstone case, each calling `$make.await` for a store
+/// built with tombstones kept for [`TOMBSTONE_HORIZON`] (`with_tombstones`). Such a store
+/// answers a key past its retention differently from the plain suite's
+/// `retention_expiry_frees_the_key`, so build the plain suite's stores without them.
+///
+/// ```no_run
+/// use tower_idempotency::{MemoryStore, conformance::TOMBSTONE_HORIZON};
+///
+/// tower_idempotency::store_tombstone_conformance_tests!(async {
+///     MemoryStore::new().with_tombstones(TOMBSTONE_HORIZON)
+/// });
+/// ```
+#[macro_export]
+macro_rules! store_tombstone_conformance_tests {
+    ($make:expr) => {
+        $crate::store_conformance_tests!(@cases $make;
+            a_key_past_its_retention_is_refused_until_the_horizon,
+            an_operator_sees_and_forgets_a_tombstone,
+        );
+    };
+}
+
+/// The horizon the tombstone cases expect their store to keep tombstones for.
+pub const TOMBSTONE_HORIZON: Duration = Duration::from_millis(1500);
+
 /// The lease used by cases that do not wait for it to expire.
 const LONG: Duration = Duration::from_secs(30);
 /// The lease (or retention) used by cases that wait for it to expire.
@@ -373,6 +398,72 @@ pub async fn retention_expiry_frees_the_key(store: &impl Store) {
     tokio::time::sleep(PAST_SHORT).await;
     let again = acquire(store, &request(&record, "b", LONG)).await;
     assert!(again.fence() > lease.fence());
+}
+
+/// With tombstones: a key completed with a short retention (300 ms) is, past it, answered
+/// `AnswerExpired` (its status, and about how long ago it completed) to the same request and
+/// `Mismatch` to another, never acquired, until [`TOMBSTONE_HORIZON`] after its completion; then
+/// it is free, with a greater fence.
+pub async fn a_key_past_its_retention_is_refused_until_the_horizon(store: &impl Store) {
+    assert_eq!(
+        store.tombstone_horizon(),
+        TOMBSTONE_HORIZON,
+        "build the store with_tombstones(TOMBSTONE_HORIZON)"
+    );
+    let record = record();
+    let lease = acquire(store, &request(&record, "a", LONG)).await;
+    let completing = tokio::time::Instant::now();
+    let completed = store.complete(&lease, &response(), SHORT).await;
+    assert_eq!(completed.expect("complete failed"), Ownership::Held);
+    tokio::time::sleep(PAST_SHORT).await;
+    match claim(store, &request(&record, "a", LONG)).await {
+        ClaimOutcome::AnswerExpired {
+            status,
+            completed_ago,
+        } => {
+            assert_eq!(status, StatusCode::CREATED, "the tombstone's status");
+            let slack = Duration::from_millis(200);
+            assert!(
+                completed_ago >= SHORT && completed_ago <= completing.elapsed() + slack,
+                "completed {completed_ago:?} ago, said the tombstone"
+            );
+        }
+        other => panic!("a retry past the retention should be refused, got {other:?}"),
+    }
+    assert!(
+        matches!(
+            claim(store, &request(&record, "b", LONG)).await,
+            ClaimOutcome::Mismatch
+        ),
+        "another request with a buried key is a mismatch"
+    );
+    tokio::time::sleep_until(completing + TOMBSTONE_HORIZON + PAST_SHORT).await;
+    let again = acquire(store, &request(&record, "b", LONG)).await;
+    assert!(again.fence() > lease.fence());
+}
+
+/// With tombstones: `inspect` shows a key past its retention as `AnswerExpired`, with its
+/// status, until no later than the horizon; `forget` deletes it, and the key is free.
+pub async fn an_operator_sees_and_forgets_a_tombstone(store: &impl Store) {
+    let record = record();
+    let lease = acquire(store, &request(&record, "a", LONG)).await;
+    let completed = store.complete(&lease, &response(), SHORT).await;
+    assert_eq!(completed.expect("complete failed"), Ownership::Held);
+    tokio::time::sleep(PAST_SHORT).await;
+    match store.inspect(&record).await {
+        Err(StoreError::Unsupported { .. }) => {}
+        Ok(Some(info)) => {
+            assert_eq!(info.state, RecordState::AnswerExpired);
+            assert_eq!(info.status, Some(StatusCode::CREATED));
+            assert!(info.expires_in <= TOMBSTONE_HORIZON, "{info:?}");
+        }
+        other => panic!("inspect of a tombstone: {other:?}"),
+    }
+    assert!(
+        store.forget(&record).await.expect("forget failed"),
+        "forget found no tombstone"
+    );
+    acquire(store, &request(&record, "b", LONG)).await;
 }
 
 /// The same key in two scopes is two keys.

@@ -35,6 +35,9 @@ pub enum IdempotencyOutcome {
     ResponseNotStored,
     /// The handler committed and its instance died before storing a response: 409.
     OutcomeUnknown,
+    /// The key completed past its retention: its answer is gone, a tombstone keeps it from
+    /// running again: 410.
+    AnswerExpired,
     /// The store could not be reached: 503, the handler did not run.
     StoreUnavailable,
     /// The key header is invalid, repeated, or missing where required: 400.
@@ -67,6 +70,7 @@ impl IdempotencyOutcome {
         Self::NotAcceptable,
         Self::ResponseNotStored,
         Self::OutcomeUnknown,
+        Self::AnswerExpired,
         Self::StoreUnavailable,
         Self::InvalidKey,
         Self::NoScope,
@@ -86,6 +90,7 @@ impl IdempotencyOutcome {
             Self::NotAcceptable => "not_acceptable",
             Self::ResponseNotStored => "response_not_stored",
             Self::OutcomeUnknown => "outcome_unknown",
+            Self::AnswerExpired => "answer_expired",
             Self::StoreUnavailable => "store_unavailable",
             Self::InvalidKey => "invalid_key",
             Self::NoScope => "no_scope",

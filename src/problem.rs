@@ -18,6 +18,7 @@
 //! | [`REPLAY_NOT_ACCEPTABLE`] | 406 | FAILED_PRECONDITION | the stored response varies (`Vary`) on request headers this retry sends differently |
 //! | [`RESPONSE_NOT_STORED`] | 409 | FAILED_PRECONDITION | the request completed, but its response was over the cache limit |
 //! | [`OUTCOME_UNKNOWN`] | 409 | FAILED_PRECONDITION | the handler committed, then its instance died before storing a response (and the layer does not recover) |
+//! | [`ANSWER_EXPIRED`] | 410 | FAILED_PRECONDITION | the request completed, and its answer is past its retention; a tombstone keeps it from running again (stores `with_tombstones`) |
 //! | [`STORE_UNAVAILABLE`] | 503 + `Retry-After` | UNAVAILABLE | the store could not be reached; the handler did not run |
 //! | [`HANDLER_FAILED`] | 500 | INTERNAL | the handler panicked or failed |
 //!
@@ -58,6 +59,9 @@ pub const REPLAY_NOT_ACCEPTABLE: &str = "urn:tower-idempotency:problem:replay-no
 pub const RESPONSE_NOT_STORED: &str = "urn:tower-idempotency:problem:response-not-stored";
 /// `type` of a 409: the request's write committed, but its response was lost with its instance.
 pub const OUTCOME_UNKNOWN: &str = "urn:tower-idempotency:problem:outcome-unknown";
+/// `type` of a 410: the request completed and its answer is past its retention; it will not run
+/// again.
+pub const ANSWER_EXPIRED: &str = "urn:tower-idempotency:problem:answer-expired";
 /// `type` of a 503: the idempotency store could not be reached.
 pub const STORE_UNAVAILABLE: &str = "urn:tower-idempotency:problem:store-unavailable";
 /// `type` of a 500: the handler panicked or failed.
@@ -91,6 +95,10 @@ pub(crate) enum Rejection {
         status: StatusCode,
     },
     OutcomeUnknown,
+    AnswerExpired {
+        status: StatusCode,
+        completed_ago: Duration,
+    },
     StoreUnavailable,
     HandlerFailed,
 }
@@ -113,6 +121,7 @@ impl Rejection {
             NotAcceptable { .. } => (406, REPLAY_NOT_ACCEPTABLE, "Stored response not acceptable", FailedPrecondition),
             ResponseNotStored { .. } => (409, RESPONSE_NOT_STORED, "Response not stored", FailedPrecondition),
             OutcomeUnknown => (409, OUTCOME_UNKNOWN, "Outcome unknown", FailedPrecondition),
+            AnswerExpired { .. } => (410, ANSWER_EXPIRED, "Answer expired", FailedPrecondition),
             StoreUnavailable => (503, STORE_UNAVAILABLE, "Idempotency store unavailable", Unavailable),
             HandlerFailed => (500, HANDLER_FAILED, "Request failed", Internal),
         };
@@ -143,6 +152,7 @@ impl Rejection {
             }
             ResponseNotStored { status } => format!("the request with this idempotency key completed with status {}, but its response was too large to store for replay; it will not run again", status.as_u16()),
             OutcomeUnknown => "the request with this idempotency key committed its changes, but its response was lost; it will not run again: look the result up instead of retrying".into(),
+            AnswerExpired { status, completed_ago } => format!("the request with this idempotency key completed {} s ago with status {}, and its answer is no longer kept; it will not run again: look the result up instead of retrying, or use a new key for a new request", completed_ago.as_secs(), status.as_u16()),
             StoreUnavailable => "the idempotency store could not be reached, so the request was not processed; retry with the same key".into(),
             HandlerFailed => "the request failed; retry with the same key".into(),
         }
@@ -170,6 +180,7 @@ impl Rejection {
             Rejection::NotAcceptable { .. } => O::NotAcceptable,
             Rejection::ResponseNotStored { .. } => O::ResponseNotStored,
             Rejection::OutcomeUnknown => O::OutcomeUnknown,
+            Rejection::AnswerExpired { .. } => O::AnswerExpired,
             Rejection::StoreUnavailable => O::StoreUnavailable,
             Rejection::HandlerFailed => O::HandlerFailed,
         }

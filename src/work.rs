@@ -146,6 +146,13 @@ pub enum WorkError<E> {
     /// was stored: the work will not run again, and there is no outcome to give.
     #[error("an earlier delivery committed its writes but left no outcome; it will not run again")]
     OutcomeUnknown,
+    /// An earlier delivery ran the work, and its outcome is past its retention (a store with
+    /// tombstones keeps the key until its horizon): the work will not run again, and there is
+    /// no outcome to give.
+    #[error(
+        "an earlier delivery ran this unit, and its outcome is no longer kept; it will not run again"
+    )]
+    AnswerExpired,
     /// The store could not be reached; the work did not run.
     #[error("the idempotency store failed; the work did not run")]
     Store(#[from] StoreError),
@@ -385,6 +392,8 @@ impl Once {
             }) => Ok(Slot::Ran),
             Ok(Done { replayed: true, .. }) => Ok(Slot::AlreadyRan),
             Err(WorkError::InFlight { .. }) => Ok(Slot::RunningElsewhere),
+            // Ran, long enough ago that its outcome is gone.
+            Err(WorkError::AnswerExpired) => Ok(Slot::AlreadyRan),
             Err(error) => Err(error),
         }
     }
@@ -540,6 +549,7 @@ fn answered<T: DeserializeOwned, E>(
         Delivered::CommittedButFailed | Delivered::OutcomeUnknown => Err(WorkError::OutcomeUnknown),
         Delivered::InFlight { retry_after } => Err(WorkError::InFlight { retry_after }),
         Delivered::Mismatch => Err(WorkError::Mismatch),
+        Delivered::AnswerExpired => Err(WorkError::AnswerExpired),
         Delivered::Store(error) => Err(WorkError::Store(error)),
     }
 }

@@ -2,13 +2,15 @@
 
 mod support;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use http::{Method, StatusCode};
 use support::{
     MockProvider, Proc, ProviderFault, RedisServer, TestSchema, database_url, free_port, post_json,
     send, url_in_schema,
 };
+
+use tower_idempotency::problem;
 
 const PAYMENT: &str = r#"{"amount_cents": 4900, "currency": "usd", "customer": "cus_1"}"#;
 
@@ -57,16 +59,19 @@ async fn payments_example_creates_replays_and_refuses() {
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
 }
 
-/// What the payments example takes from its environment about waiting and retention, tried as
-/// a user would with curl: a duplicate that asks to wait (`Prefer: wait=N`) for a slow payment
-/// gets it, one that does not gets 409; a retry after `IDEMPOTENCY_RETENTION_MS` is a new
-/// request.
+/// What the payments example takes from its environment about waiting, retention and
+/// tombstones, tried as a user would with curl: a duplicate that asks to wait (`Prefer: wait=N`)
+/// for a slow payment gets it, one that does not gets 409; a retry after
+/// `IDEMPOTENCY_RETENTION_MS` is refused (410, answer expired) and charges nothing, until
+/// `IDEMPOTENCY_TOMBSTONE_HORIZON_MS` after the payment; past it, it is a new request.
 #[tokio::test]
-async fn payments_example_lets_a_duplicate_wait_as_asked_and_forgets_past_its_retention() {
+async fn payments_example_lets_a_duplicate_wait_as_asked_and_refuses_a_late_retry_until_the_horizon()
+ {
     let env = [
         ("PAYMENTS_WORK_MS", "1500".to_owned()),
         ("IDEMPOTENCY_WAIT_MS", "100".to_owned()),
         ("IDEMPOTENCY_RETENTION_MS", "1000".to_owned()),
+        ("IDEMPOTENCY_TOMBSTONE_HORIZON_MS", "3000".to_owned()),
     ];
     let app = Proc::example("payments", &env).await;
     let url = app.url("/payments");
@@ -92,10 +97,18 @@ async fn payments_example_lets_a_duplicate_wait_as_asked_and_forgets_past_its_re
     let first = first.await.unwrap();
     assert_eq!(patient.json()["id"], first.json()["id"]);
 
+    let completed = Instant::now();
+
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    let late = post(None).await;
+    assert_eq!(late.status, StatusCode::GONE, "{late:?}");
+    assert_eq!(late.json()["type"], problem::ANSWER_EXPIRED);
+    assert!(!late.headers.contains_key("retry-after"));
+
+    tokio::time::sleep_until((completed + Duration::from_millis(3500)).into()).await;
     let later = post(None).await;
     assert_eq!(later.status, StatusCode::CREATED);
-    assert!(!later.replayed(), "a retry past the retention runs again");
+    assert!(!later.replayed(), "a retry past the horizon runs again");
     assert_ne!(later.json()["id"], first.json()["id"]);
 }
 

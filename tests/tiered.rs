@@ -23,6 +23,21 @@ tower_idempotency::store_conformance_tests!(async {
     TieredStore::new(redis, postgres)
 });
 
+/// Redis in front keeps no tombstones: the authority's answer a key past its retention.
+mod tombstones {
+    use super::*;
+
+    tower_idempotency::store_tombstone_conformance_tests!(async {
+        let redis = RedisStore::open(&redis_url())
+            .unwrap()
+            .with_prefix(format!("test:{}:", Uuid::new_v4()));
+        let pool = pool_in_schema(&database_url(), "tower_idempotency_tombstones").await;
+        let postgres = PostgresStore::new(pool)
+            .with_tombstones(tower_idempotency::conformance::TOMBSTONE_HORIZON);
+        TieredStore::new(redis, postgres)
+    });
+}
+
 fn request(key: &str) -> ClaimRequest {
     claim_request(key, Duration::from_secs(30))
 }

@@ -352,3 +352,62 @@ async fn a_key_claimed_under_a_lease_meanwhile_rolls_the_transaction_back() {
     assert_eq!(shipped(pool, "o-7").await, ["leased"]);
     schema.drop().await;
 }
+
+/// With tombstones, a unit past its outcome's retention is never run again, in either mode,
+/// before or after the sweeper buried it, until the horizon after it ran; then it runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unit_past_its_retention_is_refused_until_the_horizon() {
+    let (schema, store) = shipments_schema().await;
+    let horizon = Duration::from_millis(2000);
+    let store = store.with_tombstones(horizon);
+    let once = Once::new(store.clone()).with_retention(Duration::from_millis(300));
+    let (pool, runs) = (&schema.pool, AtomicUsize::new(0));
+    let runs = &runs;
+    let ship_as =
+        |by: &'static str| async move |tx: &mut PgConnection| ship(tx, "o-8", by, runs).await;
+    let ran = Instant::now();
+    once.run_in_transaction(unit("o-8", "{}"), pool, ship_as("first"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let late = once
+        .run_in_transaction(unit("o-8", "{}"), pool, ship_as("late"))
+        .await;
+    assert!(matches!(late, Err(WorkError::AnswerExpired)), "{late:?}");
+    let leased = once
+        .run(unit("o-8", "{}"), |_| async {
+            Ok::<_, std::io::Error>("ran".to_owned())
+        })
+        .await;
+    assert!(
+        matches!(leased, Err(WorkError::AnswerExpired)),
+        "{leased:?}"
+    );
+    store.sweep().await.unwrap();
+    let state: String = sqlx::query_scalar("SELECT state FROM idempotency_keys WHERE key = 'o-8'")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(state, "tombstone", "the sweeper buried it");
+    let buried = once
+        .run_in_transaction(unit("o-8", "{}"), pool, ship_as("buried"))
+        .await;
+    assert!(
+        matches!(buried, Err(WorkError::AnswerExpired)),
+        "{buried:?}"
+    );
+    let other = once
+        .run_in_transaction(unit("o-8", "{\"n\":2}"), pool, ship_as("other"))
+        .await;
+    assert!(matches!(other, Err(WorkError::Mismatch)), "{other:?}");
+    assert_eq!(shipped(pool, "o-8").await, ["first"]);
+
+    tokio::time::sleep_until((ran + horizon + Duration::from_millis(300)).into()).await;
+    let again = once
+        .run_in_transaction(unit("o-8", "{}"), pool, ship_as("after"))
+        .await
+        .unwrap();
+    assert!(!again.replayed);
+    assert_eq!(shipped(pool, "o-8").await, ["first", "after"]);
+    schema.drop().await;
+}

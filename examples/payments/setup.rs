@@ -6,8 +6,10 @@ use super::*;
 /// The idempotency store and where payments are kept, from `DATABASE_URL`, `REDIS_URL` and
 /// `REDIS_CLUSTER_NODES`: Postgres runs its migrations, gets the `payments` table and a sweeper.
 pub(crate) async fn stores_from_env() -> (Arc<dyn Store>, Ledger) {
+    // Keys past their answer's retention are refused for 7 days after their payment.
+    let horizon = env_millis("IDEMPOTENCY_TOMBSTONE_HORIZON_MS", 7 * 86_400_000);
     let postgres = match env::var("DATABASE_URL") {
-        Ok(url) => Some(postgres_store(&url).await),
+        Ok(url) => Some(postgres_store(&url, horizon).await),
         Err(_) => None,
     };
     let redis = match (env::var("REDIS_CLUSTER_NODES"), env::var("REDIS_URL")) {
@@ -45,7 +47,7 @@ pub(crate) async fn stores_from_env() -> (Arc<dyn Store>, Ledger) {
                  single process only"
             );
             (
-                Arc::new(MemoryStore::new()),
+                Arc::new(MemoryStore::new().with_tombstones(horizon)),
                 Ledger::Memory(Mutex::default()),
             )
         }
@@ -66,8 +68,9 @@ pub(crate) async fn check_store(store: &dyn Store) {
     }
 }
 
-/// The Postgres store on `url`, migrated, with the example's table and a sweeper.
-async fn postgres_store(url: &str) -> PostgresStore {
+/// The Postgres store on `url`, migrated, with the example's table and a sweeper, keeping
+/// tombstones for `horizon`.
+async fn postgres_store(url: &str, horizon: Duration) -> PostgresStore {
     // The connection budget: at most 4 + 6 + 4 = 14 connections per instance (the pool for the
     // payment's own transactions, the store's, its renewals'), so that four instances and a
     // client fit a stock max_connections = 100 with room to spare.
@@ -78,7 +81,8 @@ async fn postgres_store(url: &str) -> PostgresStore {
         .unwrap_or_else(|e| fail("DATABASE_URL", e));
     let store = PostgresStore::new(pool.clone())
         .with_timeout(Duration::from_secs(3))
-        .with_max_connections(6);
+        .with_max_connections(6)
+        .with_tombstones(horizon);
     store
         .migrate()
         .await

@@ -224,6 +224,13 @@ fn answer<B>(
             tracing::warn!("key committed but its response was lost");
             Rejection::OutcomeUnknown
         }
+        Ok(ClaimOutcome::AnswerExpired {
+            status,
+            completed_ago,
+        }) => Rejection::AnswerExpired {
+            status,
+            completed_ago,
+        },
         Err(error) => {
             tracing::error!(
                 error = &error as &dyn std::error::Error,

@@ -40,6 +40,8 @@ pub(crate) enum Delivered<E> {
     Mismatch,
     /// An earlier delivery committed and its process died before storing the outcome.
     OutcomeUnknown,
+    /// An earlier delivery ran it, and its outcome is past its retention.
+    AnswerExpired,
     /// The store could not be reached; the work did not run.
     Store(StoreError),
 }
@@ -53,6 +55,7 @@ impl<E> Delivered<E> {
             Self::Replayed(_) => UnitOutcome::Replayed,
             Self::Failed(_) => UnitOutcome::Failed,
             Self::CommittedButFailed | Self::OutcomeUnknown => UnitOutcome::OutcomeUnknown,
+            Self::AnswerExpired => UnitOutcome::AnswerExpired,
             Self::InFlight { .. } => UnitOutcome::InFlight,
             Self::Mismatch => UnitOutcome::Mismatch,
             Self::Store(_) => UnitOutcome::StoreUnavailable,
@@ -201,6 +204,7 @@ async fn claimed<E>(
         Ok(ClaimOutcome::Completed { .. }) => Err(Delivered::CommittedButFailed),
         Ok(ClaimOutcome::Mismatch) => Err(Delivered::Mismatch),
         Ok(ClaimOutcome::Orphaned) => Err(Delivered::OutcomeUnknown),
+        Ok(ClaimOutcome::AnswerExpired { .. }) => Err(Delivered::AnswerExpired),
         Ok(ClaimOutcome::InFlight { retry_after }) => Err(Delivered::InFlight { retry_after }),
         Err(error) => Err(Delivered::Store(error)),
     }
@@ -253,7 +257,8 @@ where
             Ok(tx) => tx,
             Err(error) => return Delivered::Store(unit::failed(error)),
         };
-        let replaced = match unit::begin(&mut tx, unit.0, unit.1, settings.lease).await {
+        let horizon = settings.store.tombstone_horizon();
+        let replaced = match unit::begin(&mut tx, unit, settings.lease, horizon).await {
             Ok(Seen::Free) => None,
             Ok(Seen::Expired(fence)) => Some(fence),
             Ok(held @ (Seen::Locked | Seen::InFlight(_))) if Instant::now() < deadline => {
@@ -305,6 +310,7 @@ fn already<E>(seen: crate::store::unit::Seen, lease: Duration) -> Delivered<E> {
         Seen::Completed(_) => Delivered::CommittedButFailed,
         Seen::Mismatch => Delivered::Mismatch,
         Seen::Orphaned => Delivered::OutcomeUnknown,
+        Seen::AnswerExpired => Delivered::AnswerExpired,
         Seen::InFlight(retry_after) => Delivered::InFlight { retry_after },
         Seen::Locked => Delivered::InFlight { retry_after: lease },
         Seen::Free | Seen::Expired(_) => Delivered::Superseded,

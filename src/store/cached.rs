@@ -286,6 +286,10 @@ impl<S: Store> Store for CachedStore<S> {
         self.inner.kind()
     }
 
+    fn tombstone_horizon(&self) -> Duration {
+        self.inner.tombstone_horizon()
+    }
+
     fn inspect<'a>(
         &'a self,
         record: &'a RecordKey,

@@ -65,6 +65,9 @@ struct State {
     bytes: usize,
     max_entries: usize,
     max_bytes: usize,
+    /// How long after its completion a key is kept as a tombstone once its answer is gone
+    /// (zero: not at all).
+    horizon: Duration,
 }
 
 impl Default for State {
@@ -78,6 +81,7 @@ impl Default for State {
             bytes: 0,
             max_entries: DEFAULT_MEMORY_MAX_ENTRIES,
             max_bytes: DEFAULT_MEMORY_MAX_BYTES,
+            horizon: Duration::ZERO,
         }
     }
 }
@@ -109,6 +113,12 @@ enum EntryState {
     Completed {
         response: Arc<StoredResponse>,
         bytes: usize,
+        completed_at: Instant,
+    },
+    /// Past its retention, within the horizon: what is left of a completed record.
+    Tombstone {
+        status: http::StatusCode,
+        completed_at: Instant,
     },
 }
 
@@ -137,6 +147,25 @@ impl MemoryStore {
     /// records are evicted.
     pub fn with_max_bytes(self, bytes: usize) -> Self {
         self.lock().max_bytes = bytes;
+        self
+    }
+
+    /// Keeps a completed key as a tombstone once its answer's retention ends, until `horizon`
+    /// after its completion (off by default): a late retry of the same request is then
+    /// [`ClaimOutcome::AnswerExpired`] (the layer answers 410 and never runs it), another
+    /// request with the key a mismatch. A tombstone holds no response bytes; it counts as a
+    /// record against [`with_max_entries`](Self::with_max_entries), evicted with the oldest
+    /// completed records.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::MemoryStore;
+    ///
+    /// // Answers replayed for the layer's retention; the keys refused for 7 days.
+    /// let store = MemoryStore::new().with_tombstones(Duration::from_secs(7 * 24 * 3600));
+    /// ```
+    pub fn with_tombstones(self, horizon: Duration) -> Self {
+        self.lock().horizon = horizon;
         self
     }
 
@@ -204,6 +233,7 @@ impl State {
             if self
                 .get(hash, &record)
                 .is_some_and(|e| e.expires_at == when)
+                && !self.bury(hash, &record, now)
             {
                 self.remove(hash, &record);
             }
@@ -215,6 +245,36 @@ impl State {
             completed.retain(|(fence, hash, record)| self.is_completed(*hash, record, *fence));
             self.completed = completed;
         }
+    }
+
+    /// Turns `record`, completed and past its retention, into a tombstone until the horizon
+    /// after its completion, if that is later than `now`; whether it did.
+    fn bury(&mut self, hash: u64, record: &RecordKey, now: Instant) -> bool {
+        let horizon = self.horizon;
+        let Some(entry) = self.get_mut(hash, record) else {
+            return false;
+        };
+        let EntryState::Completed {
+            ref response,
+            bytes,
+            completed_at,
+        } = entry.state
+        else {
+            return false;
+        };
+        let until = completed_at + horizon;
+        if until <= now {
+            return false;
+        }
+        entry.state = EntryState::Tombstone {
+            status: response.status(),
+            completed_at,
+        };
+        entry.expires_at = until;
+        let record = Arc::clone(&entry.record);
+        self.bytes -= bytes;
+        self.expiries.push(Reverse((until, hash, record)));
+        true
     }
 
     /// Whether `record` is still the one completed under `fence`.
@@ -323,11 +383,13 @@ impl State {
         let Some(entry) = self.held_mut(hash, lease) else {
             return Ownership::Lost;
         };
-        let expires_at = Instant::now() + retention;
+        let now = Instant::now();
+        let expires_at = now + retention;
         entry.expires_at = expires_at;
         entry.state = EntryState::Completed {
             response: Arc::new(response.clone()),
             bytes,
+            completed_at: now,
         };
         let record = Arc::clone(&entry.record);
         self.bytes += bytes;
@@ -385,6 +447,10 @@ impl Store for MemoryStore {
         Box::pin(async move { Ok(ownership) })
     }
 
+    fn tombstone_horizon(&self) -> Duration {
+        self.lock().horizon
+    }
+
     fn kind(&self) -> &'static str {
         "memory"
     }
@@ -402,7 +468,8 @@ impl Store for MemoryStore {
         record: &'a RecordKey,
     ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
         let now = Instant::now();
-        let state = self.lock();
+        let mut state = self.lock();
+        state.expire(now);
         let info = state
             .get(state.hash(record), record)
             .filter(|entry| entry.expires_at > now)
@@ -454,13 +521,24 @@ impl Entry {
                 response: Box::new(StoredResponse::clone(response)),
                 expires_in: self.expires_at - now,
             },
+            EntryState::Tombstone {
+                status,
+                completed_at,
+            } => ClaimOutcome::AnswerExpired {
+                status: *status,
+                completed_ago: now - *completed_at,
+            },
         }
     }
 
     /// Whether this is the record completed under `fence` (the eviction queue names records
     /// by their fence, since a key may be released and claimed again).
     fn is_completed_under(&self, fence: u64) -> bool {
-        self.fence == fence && matches!(self.state, EntryState::Completed { .. })
+        self.fence == fence
+            && matches!(
+                self.state,
+                EntryState::Completed { .. } | EntryState::Tombstone { .. }
+            )
     }
 
     fn info(&self, now: Instant) -> RecordInfo {
@@ -468,6 +546,9 @@ impl Entry {
             EntryState::InFlight => (RecordState::InFlight, Some(self.expires_at - now), None),
             EntryState::Completed { response, .. } => {
                 (RecordState::Completed, None, Some(response.status()))
+            }
+            EntryState::Tombstone { status, .. } => {
+                (RecordState::AnswerExpired, None, Some(*status))
             }
         };
         RecordInfo {
@@ -490,6 +571,12 @@ mod tests {
     use http::{HeaderMap, StatusCode};
 
     crate::store_conformance_tests!(async { super::MemoryStore::new() });
+
+    mod with_tombstones {
+        crate::store_tombstone_conformance_tests!(async {
+            super::super::MemoryStore::new().with_tombstones(crate::conformance::TOMBSTONE_HORIZON)
+        });
+    }
 
     fn request(key: &str, lease: Duration) -> ClaimRequest {
         crate::conformance::claim_request("s", key, "", lease)

@@ -20,6 +20,12 @@
 //! Stores that can join the handler's own transaction (Postgres) add `committed`: the handler's
 //! business write has committed, so the key can no longer be released or reclaimed, only completed.
 //!
+//! Stores with tombstones (the memory store and Postgres, `with_tombstones(horizon)`) keep a
+//! completed key past its retention: its answer goes, and a compact tombstone (fingerprint,
+//! status, when it completed) stays until `horizon` after its completion, so a late retry is
+//! [`ClaimOutcome::AnswerExpired`] (never run again) and another request with the key still a
+//! mismatch. Past the horizon the key is absent.
+//!
 //! # Rules every implementation follows
 //!
 //! - A claim is a single atomic step; two concurrent claims of one key never both acquire.
@@ -113,6 +119,12 @@ pub trait Store: Send + Sync + 'static {
     /// What kind of store this is, for metrics labels: `memory`, `redis`, `postgres`, `tiered`.
     fn kind(&self) -> &'static str {
         "custom"
+    }
+
+    /// How long after its completion the store keeps a key as a tombstone once its answer is
+    /// gone ([`ClaimOutcome::AnswerExpired`] until then); zero when it keeps none (the default).
+    fn tombstone_horizon(&self) -> Duration {
+        Duration::ZERO
     }
 
     /// What the store holds for `record`, for an operator: `None` if nothing (or only an
@@ -237,6 +249,10 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         (**self).kind()
     }
 
+    fn tombstone_horizon(&self) -> Duration {
+        (**self).tombstone_horizon()
+    }
+
     fn inspect<'a>(
         &'a self,
         record: &'a RecordKey,
@@ -307,15 +323,19 @@ pub enum RecordState {
     Committed,
     /// The response is stored; retries are replayed.
     Completed,
+    /// The response is gone (past its retention); a tombstone keeps the key from running
+    /// again until the store's horizon.
+    AnswerExpired,
 }
 
 impl RecordState {
-    /// `in_flight`, `committed` or `completed`.
+    /// `in_flight`, `committed`, `completed` or `answer_expired`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::InFlight => "in_flight",
             Self::Committed => "committed",
             Self::Completed => "completed",
+            Self::AnswerExpired => "answer_expired",
         }
     }
 }
@@ -565,6 +585,15 @@ pub enum ClaimOutcome {
     /// The handler committed its business write, then its owner died before storing a response.
     /// The request must not run again, and there is no response to replay.
     Orphaned,
+    /// The key completed with this fingerprint, and its answer is gone (past its retention):
+    /// only a tombstone is left, until the store's horizon. The request must not run again, and
+    /// there is no response to replay.
+    AnswerExpired {
+        /// The status the key completed with.
+        status: http::StatusCode,
+        /// How long ago it completed.
+        completed_ago: Duration,
+    },
 }
 
 /// Whether an owner-checked write applied.

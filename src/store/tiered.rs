@@ -261,6 +261,12 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
         "tiered"
     }
 
+    /// The authority's: the front keeps no tombstones of its own, and a claim the front lets
+    /// through is answered by the authority.
+    fn tombstone_horizon(&self) -> Duration {
+        self.authority.tombstone_horizon()
+    }
+
     /// Both tiers detached, when both can be (Redis and Postgres can); otherwise the store
     /// itself.
     fn detached(&self) -> Option<Arc<dyn Store>> {

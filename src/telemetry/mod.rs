@@ -209,7 +209,7 @@ impl Telemetry {
         let c = &self.counters;
         let counter = match outcome {
             O::Executed => return,
-            O::Replayed | O::ResponseNotStored => &c.replays,
+            O::Replayed | O::ResponseNotStored | O::AnswerExpired => &c.replays,
             O::InFlight | O::OutcomeUnknown => &c.in_flight,
             O::Mismatch | O::NotAcceptable => &c.mismatches,
             O::StoreUnavailable => &c.store_unavailable,
@@ -229,7 +229,7 @@ impl Telemetry {
         let c = &self.counters;
         let counter = match outcome {
             O::Executed | O::Superseded => return,
-            O::Replayed => &c.replays,
+            O::Replayed | O::AnswerExpired => &c.replays,
             O::Failed => &c.handler_failures,
             O::InFlight | O::OutcomeUnknown => &c.in_flight,
             O::Mismatch => &c.mismatches,

@@ -12,19 +12,21 @@ pub(crate) enum UnitOutcome {
     InFlight,
     Mismatch,
     OutcomeUnknown,
+    AnswerExpired,
     Superseded,
     StoreUnavailable,
 }
 
 #[cfg(feature = "metrics")]
 impl UnitOutcome {
-    pub(super) const ALL: [Self; 8] = [
+    pub(super) const ALL: [Self; 9] = [
         Self::Executed,
         Self::Replayed,
         Self::Failed,
         Self::InFlight,
         Self::Mismatch,
         Self::OutcomeUnknown,
+        Self::AnswerExpired,
         Self::Superseded,
         Self::StoreUnavailable,
     ];
@@ -38,6 +40,7 @@ impl UnitOutcome {
             Self::InFlight => "in_flight",
             Self::Mismatch => "mismatch",
             Self::OutcomeUnknown => "outcome_unknown",
+            Self::AnswerExpired => "answer_expired",
             Self::Superseded => "superseded",
             Self::StoreUnavailable => "store_unavailable",
         }

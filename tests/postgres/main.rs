@@ -46,6 +46,21 @@ tower_idempotency::store_conformance_tests!(async {
     store
 });
 
+/// The tombstone cases, in a schema of their own (their sweeper buries what it finds), by the
+/// sweeper's hand too: a store that sweeps every 100 ms buries the keys past their retention
+/// while the cases wait.
+mod tombstones {
+    use super::*;
+
+    tower_idempotency::store_tombstone_conformance_tests!(async {
+        let pool = pool_in_schema(&database_url(), "tower_idempotency_tombstones").await;
+        let store = PostgresStore::new(pool)
+            .with_tombstones(tower_idempotency::conformance::TOMBSTONE_HORIZON);
+        store.spawn_sweeper(Duration::from_millis(100));
+        store
+    });
+}
+
 /// Applies the optional partitioning to the schema `pool` works in (once: concurrent callers
 /// wait on an advisory lock, and a partitioned table is left alone).
 async fn partition(pool: &PgPool) {

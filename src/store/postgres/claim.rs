@@ -122,9 +122,11 @@ impl PostgresStore {
             return Ok(answers);
         }
         let rows = if self.distributed {
-            claim_each(&mut connection, &sent).await
+            claim_each(&mut connection, &sent, self.horizon).await
         } else {
-            claim_many(&sent).fetch_all(&mut *connection).await
+            claim_many(&sent, self.horizon)
+                .fetch_all(&mut *connection)
+                .await
         };
         // A claim without a row reads its key again.
         for (i, _, _) in &sent {
@@ -166,9 +168,11 @@ impl PostgresStore {
     }
 }
 
-/// [`CLAIM_MANY`] with the claims `sent` (each with what is left of its caller's time) bound.
+/// [`CLAIM_MANY`] with the claims `sent` (each with what is left of its caller's time) and the
+/// tombstone `horizon` bound.
 fn claim_many<'q>(
     sent: &[(usize, &'q Queued, Duration)],
+    horizon: Duration,
 ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     let scopes: Vec<&'q str> = sent.iter().map(|(_, q, _)| q.record.scope()).collect();
     let keys: Vec<&'q str> = sent
@@ -186,6 +190,7 @@ fn claim_many<'q>(
         .bind(owners)
         .bind(leases)
         .bind(left)
+        .bind(millis(horizon))
 }
 
 /// The claims `sent` one by one, as statements routed to each key's shard (a distributed
@@ -196,6 +201,7 @@ fn claim_many<'q>(
 async fn claim_each(
     connection: &mut PgConnection,
     sent: &[(usize, &Queued, Duration)],
+    horizon: Duration,
 ) -> Result<Vec<PgRow>, sqlx::Error> {
     let mut rows = Vec::with_capacity(sent.len());
     for (n, (_, queued, _)) in (1_i64..).zip(sent) {
@@ -218,6 +224,7 @@ async fn claim_each(
                     .bind(&queued.fingerprint[..])
                     .bind(queued.owner)
                     .bind(n)
+                    .bind(millis(horizon))
                     .fetch_optional(&mut *connection)
                     .await?
             }
@@ -255,6 +262,14 @@ fn read_claim(row: &PgRow, record: &RecordKey) -> Result<Option<ClaimOutcome>, S
             retry_after: column_millis(row, "lease_ms")?,
         },
         "orphaned" => ClaimOutcome::Orphaned,
+        "answer_expired" => {
+            let status: Option<i16> = row.try_get("status").map_err(backend)?;
+            let status = status.and_then(|s| http::StatusCode::from_u16(s as u16).ok());
+            ClaimOutcome::AnswerExpired {
+                status: status.ok_or_else(|| corrupt("a tombstone without a status".into()))?,
+                completed_ago: column_millis(row, "ran_ms")?,
+            }
+        }
         "expired" | "lapsed" => return Ok(None),
         other => return Err(corrupt(format!("unknown claim verdict {other:?}").into())),
     }))

@@ -77,6 +77,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "units in one transaction",
         include_str!("../../../migrations/20261202000001_units_in_one_transaction.sql"),
     ),
+    (
+        20261202000002,
+        "tombstones",
+        include_str!("../../../migrations/20261202000002_tombstones.sql"),
+    ),
 ];
 
 /// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 4 ways:

@@ -92,6 +92,8 @@ pub struct PostgresStore {
     timeout: Duration,
     sweep_batch: i64,
     max_batch: usize,
+    /// How long after its completion a key is kept as a tombstone (zero: not at all).
+    horizon: Duration,
     /// On a distributed table ([`on_citus`](Self::on_citus)): statements routed to one shard.
     distributed: bool,
     /// Calls waiting for a lane, shared by the store's clones.
@@ -175,6 +177,7 @@ impl PostgresStore {
             timeout: DEFAULT_POSTGRES_TIMEOUT,
             sweep_batch: DEFAULT_SWEEP_BATCH,
             max_batch: DEFAULT_POSTGRES_BATCH,
+            horizon: Duration::ZERO,
             distributed: false,
             lanes: Lanes::new(DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_BATCH),
         }
@@ -238,6 +241,29 @@ impl PostgresStore {
         self
     }
 
+    /// Keeps a completed key as a tombstone once its answer's retention ends, until `horizon`
+    /// after its completion (off by default): a late retry of the same request is then
+    /// [`ClaimOutcome::AnswerExpired`] (the layer answers 410 and never runs it), another
+    /// request with the key still a mismatch; past the horizon the key is free. The sweeper
+    /// buries a completed row past its retention (drops its answer, keeps its fingerprint,
+    /// status and completion time) and deletes it at the horizon; a claim that meets one the
+    /// sweeper has not reached yet answers the same. On Citus too: each shard's sweep buries its
+    /// own.
+    ///
+    /// ```
+    /// # fn store(pool: sqlx::PgPool) {
+    /// use std::time::Duration;
+    /// use tower_idempotency::store::PostgresStore;
+    ///
+    /// // Answers replayed for the layer's retention (24 h by default); keys refused for 30 days.
+    /// let store = PostgresStore::new(pool).with_tombstones(Duration::from_secs(30 * 24 * 3600));
+    /// # }
+    /// ```
+    pub fn with_tombstones(mut self, horizon: Duration) -> Self {
+        self.horizon = horizon;
+        self
+    }
+
     /// How many rows one sweep statement deletes (500 by default): small batches keep locks and
     /// WAL bursts short.
     pub fn with_sweep_batch(mut self, rows: i64) -> Self {
@@ -268,18 +294,19 @@ impl PostgresStore {
         }
         let mut total = 0;
         loop {
-            let deleted = self
+            let (buried, deleted): (i64, i64) = self
                 .on_connection(async |connection| {
-                    sqlx::query(SWEEP)
+                    sqlx::query_as(SWEEP)
                         .bind(self.sweep_batch)
-                        .execute(connection)
+                        .bind(millis(self.horizon))
+                        .fetch_one(connection)
                         .await
                 })
-                .await?
-                .rows_affected();
+                .await?;
+            let (buried, deleted) = (buried as u64, deleted as u64);
             total += deleted;
             crate::telemetry::count_n("idempotency_swept_rows_total", deleted);
-            if deleted < self.sweep_batch as u64 {
+            if buried + deleted < self.sweep_batch as u64 {
                 return Ok(total);
             }
         }
@@ -295,6 +322,7 @@ impl PostgresStore {
                 .on_connection(async |connection| {
                     sqlx::query_as(SWEEP_SHARDS)
                         .bind(self.sweep_batch)
+                        .bind(millis(self.horizon))
                         .fetch_all(connection)
                         .await
                 })
@@ -461,6 +489,10 @@ impl Store for PostgresStore {
         Box::pin(self.batched(&self.lanes.releases, release))
     }
 
+    fn tombstone_horizon(&self) -> Duration {
+        self.horizon
+    }
+
     fn kind(&self) -> &'static str {
         "postgres"
     }
@@ -531,6 +563,7 @@ impl Store for PostgresStore {
                     sqlx::query(INSPECT)
                         .bind(record.scope())
                         .bind(record.key().as_str())
+                        .bind(millis(self.horizon))
                         .fetch_optional(connection)
                         .await
                 })
@@ -585,6 +618,7 @@ fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
         "in_flight" => RecordState::InFlight,
         "committed" => RecordState::Committed,
         "completed" => RecordState::Completed,
+        "tombstone" => RecordState::AnswerExpired,
         other => {
             let unknown = format!("unknown state {other:?}");
             return Err(StoreError::corrupt(STORE, &record, unknown));
@@ -597,7 +631,7 @@ fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
         state,
         fence: u64::try_from(fence).unwrap_or_default(),
         owner: row.try_get("owner").map_err(backend)?,
-        lease_left: (state != RecordState::Completed)
+        lease_left: matches!(state, RecordState::InFlight | RecordState::Committed)
             .then(|| millis("lease_ms"))
             .transpose()?,
         age: Some(millis("age_ms")?),

@@ -1,12 +1,14 @@
 //! The statements of the Postgres store.
 
 /// A claim's verdict on the row there is (`idempotency_keys`' columns, or [`CLAIM_MANY`]'s
-/// `cur`), and what it answers with: `verdict`, `fence`, `response`, `lease_ms`, `expires_ms`.
-/// The arguments say how the statement reads whether the row's fingerprint is the claim's
-/// (`same`), whether the claim's owner holds it (`mine`), whether its lease and its record are
-/// current (`leased`, `live`), and whether it has a recovery point (`resumable`).
+/// `cur`), and what it answers with: `verdict`, `fence`, `response`, `lease_ms`, `expires_ms`,
+/// `status`, `ran_ms` (how long ago it completed). The arguments say how the statement reads
+/// whether the row's fingerprint is the claim's (`same`), whether the claim's owner holds it
+/// (`mine`), whether its lease and its record are current (`leased`, `live`), whether it has a
+/// recovery point (`resumable`), and whether it is a tombstone (`buried`: its answer past its
+/// retention, within the store's horizon; see `buried!`).
 macro_rules! claim_verdict {
-    ($same:literal, $mine:literal, $leased:literal, $live:literal, $resumable:literal) => {
+    ($same:literal, $mine:literal, $leased:literal, $live:literal, $resumable:literal, $buried:expr) => {
         concat!(
             "CASE
            WHEN ",
@@ -21,6 +23,11 @@ macro_rules! claim_verdict {
             " AND NOT ",
             $same,
             " THEN 'mismatch'
+           WHEN ",
+            $buried,
+            " THEN CASE WHEN ",
+            $same,
+            " THEN 'answer_expired' ELSE 'mismatch' END
            WHEN NOT ",
             $live,
             " OR (state = 'in_flight' AND NOT ",
@@ -40,13 +47,36 @@ macro_rules! claim_verdict {
             $same,
             " THEN response END AS response,
        ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
-       ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms"
+       ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms,
+       status, ceil(extract(epoch FROM now() - updated_at) * 1000)::int8 AS ran_ms"
+        )
+    };
+}
+
+/// Whether a row is a tombstone, `$h` the store's horizon in ms (`PostgresStore::with_tombstones`):
+/// one the sweeper buried (its answer dropped, kept until the horizon after its completion), or
+/// a completed one past its retention that the sweeper has not reached yet, within the horizon
+/// after its completion (`updated_at`, which completing sets and burying keeps). Never for a
+/// store without tombstones (`$h` 0), which reads a buried row as an expired one (it is not
+/// `live` in the claims' verdicts).
+macro_rules! buried {
+    ($h:literal) => {
+        concat!(
+            "(",
+            $h,
+            "::float8 > 0 AND ((state = 'tombstone' AND expires_at > now())
+             OR (state <> 'tombstone' AND expires_at <= now()
+                 AND (state = 'completed' OR response IS NOT NULL)
+                 AND updated_at + ",
+            $h,
+            "::float8 * interval '1 millisecond' > now())))"
         )
     };
 }
 
 /// The claim's common path, one round trip for every claim of a batch (`batch.rs`; a lone
-/// claim is a batch of one): insert the key if there is no row, or say what the row there is.
+/// claim is a batch of one): insert the key if there is no row, or say what the row there is
+/// ($7 the store's tombstone horizon, ms: 0 when it keeps none).
 /// Rows that need more (an expired row to take over, a committed key whose lease lapsed) are
 /// settled by `PostgresStore::settle` under a row lock.
 ///
@@ -67,9 +97,11 @@ WITH r AS (
 ),
 cur AS (
     SELECT r.n, k.fingerprint = r.fingerprint AS same, k.owner = r.owner AS mine,
-           k.lease_until > now() AS leased, k.expires_at > now() AS live,
+           k.lease_until > now() AS leased,
+           k.expires_at > now() AND k.state <> 'tombstone' AS live,
            k.recovery_point IS NOT NULL AS resumable,
-           k.state, k.response, k.suspect, k.fence, k.lease_until, k.expires_at
+           k.state, k.response, k.suspect, k.fence, k.lease_until, k.expires_at, k.status,
+           k.updated_at
     FROM r JOIN idempotency_keys k ON k.scope = r.scope AND k.key = r.key
 ),
 claimed AS (
@@ -85,11 +117,12 @@ claimed AS (
     RETURNING scope, key, owner, fence
 )
 SELECT r.n, 'acquired' AS verdict, c.fence, NULL::bytea AS response,
-       NULL::int8 AS lease_ms, NULL::int8 AS expires_ms
+       NULL::int8 AS lease_ms, NULL::int8 AS expires_ms, NULL::int2 AS status,
+       NULL::int8 AS ran_ms
 FROM claimed c JOIN r ON r.scope = c.scope AND r.key = c.key AND r.owner = c.owner
 UNION ALL
 SELECT n, ",
-    claim_verdict!("same", "mine", "leased", "live", "resumable"),
+    claim_verdict!("same", "mine", "leased", "live", "resumable", buried!("$7")),
     "
 FROM cur
 "
@@ -106,13 +139,14 @@ VALUES ($1, $2, $3, 'in_flight', $4, nextval('idempotency_fence'),
         now() + $5::float8 * interval '1 millisecond', now() + $5::float8 * interval '1 millisecond')
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING $6::int8 AS n, 'acquired' AS verdict, fence, NULL::bytea AS response,
-          NULL::int8 AS lease_ms, NULL::int8 AS expires_ms
+          NULL::int8 AS lease_ms, NULL::int8 AS expires_ms, NULL::int2 AS status,
+          NULL::int8 AS ran_ms
 ";
 
 /// A claim on a distributed table, second statement: [`CLAIM_MANY`]'s verdict on the row
 /// [`CLAIM_INSERT`] found, routed to the key's shard. $1 scope, $2 key, $3 fingerprint, $4
-/// owner, $5 the claim's ordinal, answered as `n`. No row when the row is gone meanwhile: the
-/// claim reads again. One table and no subquery, which Citus plans on its fast path (the same
+/// owner, $5 the claim's ordinal, answered as `n`, $6 the tombstone horizon (ms). No row when
+/// the row is gone meanwhile: the claim reads again. One table and no subquery, which Citus plans on its fast path (the same
 /// read through a CTE cost it 1.8 times the CPU, measured with pgbench).
 pub(super) const CLAIM_READ: &str = concat!(
     "SELECT $5::int8 AS n, ",
@@ -120,8 +154,9 @@ pub(super) const CLAIM_READ: &str = concat!(
         "(fingerprint = $3)",
         "(owner = $4)",
         "(lease_until > now())",
-        "(expires_at > now())",
-        "(recovery_point IS NOT NULL)"
+        "(expires_at > now() AND state <> 'tombstone')",
+        "(recovery_point IS NOT NULL)",
+        buried!("$6")
     ),
     "
 FROM idempotency_keys WHERE scope = $1 AND key = $2"
@@ -131,7 +166,8 @@ FROM idempotency_keys WHERE scope = $1 AND key = $2"
 pub(super) const LOCK: &str = r"
 SELECT fingerprint = $3 AS same, state, response IS NOT NULL AS answered, suspect,
        lease_until > now() AS leased, recovery_point IS NOT NULL AS resumable,
-       expires_at > now() AND NOT (state = 'in_flight' AND lease_until <= now()) AS live
+       expires_at > now() AND state <> 'tombstone'
+           AND NOT (state = 'in_flight' AND lease_until <= now()) AS live
 FROM idempotency_keys
 WHERE scope = $1 AND key = $2
 FOR UPDATE SKIP LOCKED
@@ -142,7 +178,7 @@ pub(super) const UNSETTLED: &str = r"
 SELECT EXISTS (
     SELECT 1 FROM idempotency_keys
     WHERE scope = $1 AND key = $2
-      AND (expires_at <= now()
+      AND (expires_at <= now() OR state = 'tombstone'
            OR (state = 'in_flight' AND lease_until <= now())
            OR (state = 'committed' AND response IS NULL AND lease_until <= now()))
 )
@@ -380,42 +416,80 @@ WHERE scope = $1 AND key = $2 AND fingerprint = $3 AND state = 'committed'
 /// its statement on every call (see `migrations/20261129000002_fence_function.sql`).
 pub(super) const COMMIT: &str = "SELECT idempotency_commit($1, $2, $3, $4, $5, $6, $7)";
 
-/// Deletes up to $1 expired rows, oldest first, skipping rows another transaction holds.
+/// Sweeps up to $1 expired rows, oldest first, skipping rows another transaction holds: a
+/// completed one within $2 ms (the tombstone horizon) of its completion is buried (its answer
+/// dropped, kept as a tombstone until then); the others, tombstones past the horizon among
+/// them, are deleted. How many of each.
 pub(super) const SWEEP: &str = r"
 WITH doomed AS (
-    SELECT scope, key FROM idempotency_keys
+    SELECT scope, key,
+           state <> 'tombstone' AND (state = 'completed' OR response IS NOT NULL)
+           AND updated_at + $2::float8 * interval '1 millisecond' > now() AS buried
+    FROM idempotency_keys
     WHERE expires_at <= now()
     ORDER BY expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
+),
+buried AS (
+    UPDATE idempotency_keys k
+    SET state = 'tombstone', response = NULL,
+        expires_at = k.updated_at + $2::float8 * interval '1 millisecond'
+    FROM doomed
+    WHERE doomed.buried AND k.scope = doomed.scope AND k.key = doomed.key
+    RETURNING 1
+),
+deleted AS (
+    DELETE FROM idempotency_keys k
+    USING doomed
+    WHERE NOT doomed.buried AND k.scope = doomed.scope AND k.key = doomed.key
+    RETURNING 1
 )
-DELETE FROM idempotency_keys k
-USING doomed
-WHERE k.scope = doomed.scope AND k.key = doomed.key
+SELECT (SELECT count(*) FROM buried) AS buried, (SELECT count(*) FROM deleted) AS deleted
 ";
 
 /// [`SWEEP`] on a distributed table, shard by shard (each shard's statement runs on its worker,
-/// up to $1 rows a shard): a row per shard, whether it ran, and what it answered (`DELETE n`).
+/// up to $1 rows a shard, $2 the tombstone horizon in ms): a row per shard, whether it ran, and
+/// what it answered (`DELETE n`, the rows deleted; those buried are not counted).
 pub(super) const SWEEP_SHARDS: &str = r"
 SELECT success, result FROM run_command_on_shards('idempotency_keys', format(
-    'WITH doomed AS (SELECT ctid FROM %%1$s WHERE expires_at <= now() ORDER BY expires_at
-                     LIMIT %s FOR UPDATE SKIP LOCKED)
-     DELETE FROM %%1$s k USING doomed WHERE k.ctid = doomed.ctid', $1::int8))
+    'WITH doomed AS (
+         SELECT ctid, state <> ''tombstone'' AND (state = ''completed'' OR response IS NOT NULL)
+                      AND updated_at + %2$s * interval ''1 millisecond'' > now() AS buried
+         FROM %%1$s WHERE expires_at <= now() ORDER BY expires_at
+         LIMIT %1$s FOR UPDATE SKIP LOCKED),
+     buried AS (
+         UPDATE %%1$s k SET state = ''tombstone'', response = NULL,
+                          expires_at = k.updated_at + %2$s * interval ''1 millisecond''
+         FROM doomed WHERE doomed.buried AND k.ctid = doomed.ctid RETURNING 1)
+     DELETE FROM %%1$s k USING doomed WHERE NOT doomed.buried AND k.ctid = doomed.ctid',
+    $1::int8, $2::float8))
 ";
 
-/// What an operator sees of one key (a live row only). A key committed with its answer is
-/// complete (see [`COMPLETE_MANY`]).
-pub(super) const INSPECT: &str = r"
+/// What an operator sees of one key (a live row only, or a tombstone: $3 the horizon, ms). A
+/// key committed with its answer is complete (see [`COMPLETE_MANY`]).
+pub(super) const INSPECT: &str = concat!(
+    r"
 SELECT scope, key,
-       CASE WHEN state = 'committed' AND response IS NOT NULL THEN 'completed' ELSE state END
+       CASE WHEN ",
+    buried!("$3"),
+    r" THEN 'tombstone'
+            WHEN state = 'committed' AND response IS NOT NULL THEN 'completed' ELSE state END
            AS state,
        fence, owner, status,
        ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
        ceil(extract(epoch FROM now() - created_at) * 1000)::int8 AS age_ms,
-       ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms
+       ceil(extract(epoch FROM greatest(expires_at,
+                                        CASE WHEN ",
+    buried!("$3"),
+    r" THEN updated_at + $3::float8 * interval '1 millisecond' END)
+                            - now()) * 1000)::int8 AS expires_ms
 FROM idempotency_keys
-WHERE scope = $1 AND key = $2 AND expires_at > now()
-";
+WHERE scope = $1 AND key = $2 AND ((expires_at > now() AND state <> 'tombstone') OR ",
+    buried!("$3"),
+    r")
+"
+);
 
 /// Forgets one key, whoever holds it.
 pub(super) const FORGET: &str = "DELETE FROM idempotency_keys WHERE scope = $1 AND key = $2";
@@ -434,9 +508,10 @@ LIMIT $2
 ";
 
 /// A unit in its own transaction, first: the key's lock if it is free (`locked`), the
-/// transaction's pauses bounded by $3 ms, and the key's row (`state` null: none), one row
-/// always (migration `20261202000001`).
-pub(super) const UNIT_BEGIN: &str = "SELECT * FROM idempotency_unit_begin($1, $2, $3)";
+/// transaction's pauses bounded by $3 ms, and the key's row (`state` null: none; `buried`: a
+/// tombstone within the horizon of $4 ms), one row always (migrations `20261202000001`,
+/// `20261202000002`).
+pub(super) const UNIT_BEGIN: &str = "SELECT * FROM idempotency_unit_begin($1, $2, $3, $4)";
 
 /// A unit in its own transaction, last, when it found no row: the row, completed with the
 /// outcome ($6 status, $7 the encoded answer) and kept for $5 ms, under a new fence. A plain

@@ -33,20 +33,23 @@ pub(crate) enum Seen {
     InFlight(Duration),
     /// An owner in the other mode committed its work and died before storing its outcome.
     Orphaned,
+    /// The key completed, and its outcome is past its retention: a tombstone.
+    AnswerExpired,
 }
 
 /// Takes `record`'s lock in the transaction on `connection` if it is free, bounds the
-/// transaction's pauses by `lease`, and reads the key's row.
+/// transaction's pauses by `lease`, and reads the key's row (a tombstone within `horizon`).
 pub(crate) async fn begin(
     connection: &mut PgConnection,
-    record: &RecordKey,
-    fingerprint: &Fingerprint,
+    (record, fingerprint): (&RecordKey, &Fingerprint),
     lease: Duration,
+    horizon: Duration,
 ) -> Result<Seen, StoreError> {
     let row = sqlx::query(UNIT_BEGIN)
         .bind(record.scope())
         .bind(record.key().as_str())
         .bind(millis(lease))
+        .bind(millis(horizon))
         .fetch_one(connection)
         .await
         .map_err(failed)?;
@@ -60,16 +63,20 @@ pub(crate) async fn begin(
         row.try_get::<Option<bool>, _>(name)
             .map(|b| b == Some(true))
     };
-    let (leased, live) = (
+    let (leased, live, buried) = (
         column("leased").map_err(failed)?,
         column("live").map_err(failed)?,
+        column("buried").map_err(failed)?,
     );
     let fence: i64 = row.try_get("fence").map_err(failed)?;
     let stored: Vec<u8> = row.try_get("fingerprint").map_err(failed)?;
     let response: Option<Vec<u8>> = row.try_get("response").map_err(failed)?;
+    let same = stored[..] == fingerprint.as_bytes()[..];
     Ok(match (state.as_str(), response) {
+        _ if buried && same => Seen::AnswerExpired,
+        _ if buried => Seen::Mismatch,
         _ if !live => Seen::Expired(fence),
-        _ if stored[..] != fingerprint.as_bytes()[..] => Seen::Mismatch,
+        _ if !same => Seen::Mismatch,
         (_, Some(response)) => Seen::Completed(Box::new(
             StoredResponse::decode(Bytes::from(response))
                 .map_err(|e| StoreError::corrupt(STORE, record, e))?,
