@@ -58,6 +58,7 @@ async fn a_healthy_setup_reports_every_check_and_nothing_to_fix() {
         "statement_timeout",
         "sweeper",
         "size",
+        "tombstones",
     ];
     for check in checks {
         severity(&diagnosis, check);

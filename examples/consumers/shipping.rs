@@ -188,7 +188,10 @@ impl Shipping {
                 tracing::info!(order = %order_id, replayed = done.replayed, %outcome, "delivered");
                 true
             }
-            Err(error @ (WorkError::Mismatch | WorkError::OutcomeUnknown)) => {
+            Err(
+                error
+                @ (WorkError::Mismatch | WorkError::OutcomeUnknown | WorkError::AnswerExpired),
+            ) => {
                 tracing::error!(order = %order_id, %error, "dropped: it will never ship again");
                 true
             }

@@ -57,7 +57,20 @@ impl PostgresStore {
         diagnosis.push(severity, STORE, "sweeper", message);
         let (severity, message) = self.size().await.unwrap_or_else(could_not);
         diagnosis.push(severity, STORE, "size", message);
+        diagnosis.push(Severity::Ok, STORE, "tombstones", self.tombstones());
         diagnosis
+    }
+
+    /// Whether the store keeps tombstones, and for how long.
+    fn tombstones(&self) -> String {
+        if self.horizon.is_zero() {
+            return "off: a retry after its answer's retention runs again (with_tombstones)".into();
+        }
+        format!(
+            "kept until {:?} after each key's completion: a retry after its answer's retention \
+             is refused (410) until then",
+            self.horizon
+        )
     }
 
     /// On a Citus coordinator: whether `idempotency_keys` is distributed, by what, with which
