@@ -1,5 +1,5 @@
--- Claims an idempotency key, or returns the record that holds it. The only script that creates
--- a record.
+-- Claims an idempotency key, or returns the record that holds it, or its tombstone. The only
+-- script that creates a record.
 --
 -- The record is one string: a layout byte, a state byte ("i" in flight, "c" completed), the
 -- request fingerprint (32 bytes), the owner token (16 bytes), the fence (16 decimal digits),
@@ -7,10 +7,13 @@
 -- retention once completed (PEXPIRE/PX: the server's clock).
 --
 -- KEYS[1]: the record
+-- KEYS[2]: the key's tombstone (see complete.lua), on a store that keeps them; absent otherwise
 -- ARGV[1]: the new record up to its fence: layout byte, "i", fingerprint, owner token
 -- ARGV[2]: the lease, in milliseconds
 -- Returns: {0, fence}          acquired: the record is the claimant's, in flight for the lease
 --          {1, record, pttl}   the key is held: its record, and the milliseconds it has left
+--          {2, tombstone, now} the key completed and its answer is gone: its tombstone, and the
+--                              server's clock (16 digits of microseconds, as a fence)
 --
 -- The fence is the server clock in microseconds: it grows across expiry and release for as long
 -- as that clock does (Postgres, where present, hands out the authoritative fence).
@@ -22,6 +25,12 @@ if record then
   return {1, record, redis.call('PTTL', KEYS[1])}
 end
 local now = redis.call('TIME')
-local fence = now[1] .. string.format('%06d', tonumber(now[2]))
-redis.call('SET', KEYS[1], ARGV[1] .. fence, 'PX', ARGV[2])
-return {0, fence}
+local clock = now[1] .. string.format('%06d', tonumber(now[2]))
+if KEYS[2] then
+  local tombstone = redis.call('GET', KEYS[2])
+  if tombstone then
+    return {2, tombstone, clock}
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1] .. clock, 'PX', ARGV[2])
+return {0, clock}

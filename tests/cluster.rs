@@ -39,6 +39,14 @@ mod redis_cluster {
     tower_idempotency::store_conformance_tests!(super::shared_store());
 }
 
+/// The tombstone beside each record, in its slot.
+mod redis_cluster_tombstones {
+    tower_idempotency::store_tombstone_conformance_tests!(async {
+        let horizon = tower_idempotency::conformance::TOMBSTONE_HORIZON;
+        super::shared_store().await.with_tombstones(horizon)
+    });
+}
+
 mod redis_cluster_in_front_of_postgres {
     use super::*;
 

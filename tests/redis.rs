@@ -29,6 +29,48 @@ fn store_on(url: &str) -> RedisStore {
 
 tower_idempotency::store_conformance_tests!(async { store_on(&redis_url()) });
 
+mod tombstones {
+    use super::*;
+
+    tower_idempotency::store_tombstone_conformance_tests!(async {
+        store_on(&redis_url()).with_tombstones(tower_idempotency::conformance::TOMBSTONE_HORIZON)
+    });
+
+    /// A tombstone costs Redis a key of its own: its bytes, as `MEMORY USAGE` counts them,
+    /// against the completed record's (a 200-byte answer).
+    #[tokio::test]
+    async fn a_tombstone_costs_a_small_key() {
+        let store = store_on(&redis_url()).with_tombstones(Duration::from_secs(3600));
+        let request = claim_request("order-0123456789abcdef", Duration::from_secs(30));
+        let lease = support::acquire(&store, &request).await;
+        let body = bytes::Bytes::from(vec![b'x'; 200]);
+        let answer = StoredResponse::new(StatusCode::CREATED, HeaderMap::new(), Some(body), None);
+        let completed = store
+            .complete(&lease, &answer, Duration::from_secs(60))
+            .await;
+        assert_eq!(completed.unwrap(), Ownership::Held);
+        let mut admin = redis_connection(&redis_url()).await;
+        let key = store.record_key(request.record());
+        let usage = async |key: String, admin: &mut redis::aio::MultiplexedConnection| -> i64 {
+            redis::cmd("MEMORY")
+                .arg("USAGE")
+                .arg(key)
+                .query_async(admin)
+                .await
+                .unwrap()
+        };
+        let record = usage(key.clone(), &mut admin).await;
+        let tombstone = usage(format!("{{{key}}} tombstone"), &mut admin).await;
+        assert!(
+            tombstone > 0 && tombstone < record,
+            "{tombstone} against {record}"
+        );
+        println!(
+            "Redis: a tombstone {tombstone} B, the completed record {record} B (a 200-byte answer)"
+        );
+    }
+}
+
 fn ok_response() -> StoredResponse {
     StoredResponse::new(StatusCode::OK, HeaderMap::new(), Some("done".into()), None)
 }

@@ -22,7 +22,7 @@
 //! | `IDEMPOTENCY_WAIT_MS` | how long a duplicate waits for the first request (10000) |
 //! | `IDEMPOTENCY_MAX_WAIT_MS` | the longest a duplicate that asks (`Prefer: wait=N`) waits (60000) |
 //! | `IDEMPOTENCY_RETENTION_MS` | how long a completed key and its answer are kept (86400000, 24 h) |
-//! | `IDEMPOTENCY_TOMBSTONE_HORIZON_MS` | how long after its payment a key is still refused (410) once its answer is gone (604800000, 7 days; 0: not at all); on Postgres and the memory store |
+//! | `IDEMPOTENCY_TOMBSTONE_HORIZON_MS` | how long after its payment a key is still refused (410) once its answer is gone (604800000, 7 days; 0: not at all); with Redis in front of Postgres, Postgres keeps them |
 //! | `PAYMENTS_WORK_MS` | simulated work (fraud scoring) before the payment is recorded, with no transaction open (0) |
 //! | `PAYMENTS_PAUSE_AFTER_INTENT_MS` | on Postgres, a pause after step 1 (the intent) commits (0) |
 //! | `PAYMENTS_PAUSE_AFTER_CHARGE_MS` | on Postgres, a pause after the provider charged, before step 3 (0) |

@@ -39,7 +39,10 @@ pub(crate) async fn stores_from_env() -> (Arc<dyn Store>, Ledger) {
         }
         (Some(redis), None) => {
             tracing::warn!("idempotency: Redis alone (best effort); payments kept in memory");
-            (Arc::new(redis), Ledger::Memory(Mutex::default()))
+            (
+                Arc::new(redis.with_tombstones(horizon)),
+                Ledger::Memory(Mutex::default()),
+            )
         }
         (None, None) => {
             tracing::warn!(

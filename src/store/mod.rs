@@ -20,7 +20,7 @@
 //! Stores that can join the handler's own transaction (Postgres) add `committed`: the handler's
 //! business write has committed, so the key can no longer be released or reclaimed, only completed.
 //!
-//! Stores with tombstones (the memory store and Postgres, `with_tombstones(horizon)`) keep a
+//! Stores with tombstones (every store of the crate, `with_tombstones(horizon)`) keep a
 //! completed key past its retention: its answer goes, and a compact tombstone (fingerprint,
 //! status, when it completed) stays until `horizon` after its completion, so a late retry is
 //! [`ClaimOutcome::AnswerExpired`] (never run again) and another request with the key still a

@@ -20,7 +20,7 @@ use ::redis::{
 
 use self::{
     connection::{Backend, Cluster, Connection, Node},
-    record::Record,
+    record::{Record, Tombstone},
 };
 use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
@@ -33,7 +33,8 @@ use crate::StoredResponse;
 /// Each idempotency key is one Redis string, `{prefix}{scope length}:{scope}:{key}`: a layout
 /// byte, the state, the fingerprint, the owner token, the fence and, once completed, the
 /// encoded response; about 70 bytes in flight. Each operation is one Lua script that touches
-/// only that key, so it works on Redis Cluster too: a claim returns the record there, or creates
+/// only that key (and, [with tombstones](Self::with_tombstones), the one beside it, in its hash
+/// slot), so it works on Redis Cluster too: a claim returns the record there, or creates
 /// one, and the other scripts (shipped in `lua/`) check the owner token before any write. Leases
 /// and retention are Redis expiries (`PX`, `PEXPIRE`, `PTTL`), measured on the server's clock.
 ///
@@ -82,6 +83,8 @@ pub struct RedisStore {
     timeout: Duration,
     /// Set once the server refused `SET … IFEQ`: finalize with the scripts.
     scripts_only: Arc<AtomicBool>,
+    /// How long after its completion a key is kept as a tombstone (zero: not at all).
+    horizon: Duration,
 }
 
 /// The default bound on one Redis call.
@@ -162,6 +165,45 @@ impl RedisStore {
             prefix: Arc::from("idempotency:"),
             timeout: DEFAULT_REDIS_TIMEOUT,
             scripts_only: Arc::default(),
+            horizon: Duration::ZERO,
+        }
+    }
+
+    /// Keeps a completed key as a tombstone once its answer's retention ends, until `horizon`
+    /// after its completion (off by default): a late retry of the same request is then
+    /// [`ClaimOutcome::AnswerExpired`] (the layer answers 410 and never runs it), another
+    /// request with the key a mismatch.
+    ///
+    /// The tombstone is a key of its own beside the record (` tombstone` after the record's
+    /// name, a space no record's name holds), 51 bytes of value: the fingerprint, the status and
+    /// when the key completed, written by the completion's script with the horizon as its
+    /// expiry, and read by the claim's script when there is no record. Both keys must share a
+    /// hash slot on a Redis Cluster: where the record's name has no hash tag, the tombstone's
+    /// wraps the whole name in one (`{…} tombstone`), which a name holding a `}` cannot be; such
+    /// keys (a scope or key with a `}` outside a hash tag) get no tombstone, anywhere. Completion
+    /// is then a script, not `SET … IFEQ`.
+    pub fn with_tombstones(mut self, horizon: Duration) -> Self {
+        self.horizon = horizon;
+        self
+    }
+
+    /// The Redis key of `record`'s tombstone, named from its record's `record_key`, in the same
+    /// hash slot; `None` without tombstones, or for a name no key of the same slot can be made
+    /// from (see [`with_tombstones`](Self::with_tombstones)).
+    fn tombstone_key(&self, record_key: &str) -> Option<String> {
+        if self.horizon.is_zero() {
+            return None;
+        }
+        let tagged = record_key
+            .split_once('{')
+            .and_then(|(_, rest)| rest.find('}'))
+            .is_some_and(|len| len > 0);
+        if tagged {
+            Some(format!("{record_key} tombstone"))
+        } else if !record_key.contains('}') {
+            Some(format!("{{{record_key}}} tombstone"))
+        } else {
+            None
         }
     }
 
@@ -342,7 +384,11 @@ impl Store for RedisStore {
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         Box::pin(async move {
             let head = record::in_flight_head(request.fingerprint(), request.owner());
-            let mut invocation = CLAIM.key(self.record_key(request.record()));
+            let key = self.record_key(request.record());
+            let mut invocation = CLAIM.key(&key);
+            if let Some(tombstone) = self.tombstone_key(&key) {
+                invocation.key(tombstone);
+            }
             invocation.arg(head).arg(millis(request.lease()));
             let reply: Value = self
                 .call(async |connection| invocation.invoke_async(connection).await)
@@ -384,6 +430,14 @@ impl Store for RedisStore {
         Box::pin(async move {
             let encoded = response.encode();
             let retention = millis(retention);
+            let key = self.record_key(lease.record());
+            if let Some(tombstone) = self.tombstone_key(&key) {
+                let status = response.status().as_u16();
+                let keys = (key, tombstone);
+                return self
+                    .complete_with_tombstone(lease, keys, (&encoded, status), retention)
+                    .await;
+            }
             let completed = |in_flight: &[u8]| record::completed(in_flight, &encoded);
             if let Some(ownership) = self.compare_and_set(lease, completed, retention).await? {
                 return Ok(ownership);
@@ -400,6 +454,10 @@ impl Store for RedisStore {
 
     fn kind(&self) -> &'static str {
         "redis"
+    }
+
+    fn tombstone_horizon(&self) -> Duration {
+        self.horizon
     }
 
     /// A connection (or a cluster connection) of its own, made on first use.
@@ -426,24 +484,35 @@ impl Store for RedisStore {
     ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
         Box::pin(async move {
             let key = self.record_key(record);
+            // The tombstone's name is in the record's slot; without one, the record's twice.
+            let tombstone = self.tombstone_key(&key).unwrap_or_else(|| key.clone());
             let mut pipe = ::redis::pipe();
             pipe.cmd("GET").arg(&key).cmd("PTTL").arg(&key).cmd("TIME");
-            // One slot and TIME: on a cluster, all three go to the record's master.
-            let (value, pttl, now): (Option<Vec<u8>>, i64, (u64, u64)) = self
+            pipe.cmd("GET").arg(&tombstone).cmd("PTTL").arg(&tombstone);
+            // One slot and TIME: on a cluster, all of them go to the record's master.
+            type Reply = (Option<Vec<u8>>, i64, (u64, u64), Option<Vec<u8>>, i64);
+            let (value, pttl, now, buried, buried_pttl): Reply = self
                 .call(async |connection| pipe.query_async(connection).await)
                 .await?;
             let now = u128::from(now.0) * 1_000_000 + u128::from(now.1);
-            value
-                .map(|value| record_info(record.clone(), &value, pttl, now))
-                .transpose()
+            let info = match (value, buried) {
+                (Some(value), _) => Some(record_info(record.clone(), &value, pttl, now)),
+                (None, Some(buried)) if tombstone != key => {
+                    Some(tombstone_info(record.clone(), &buried, buried_pttl, now))
+                }
+                (None, _) => None,
+            };
+            info.transpose()
                 .map_err(|reason| StoreError::corrupt(STORE, record, reason))
         })
     }
 
     fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
+            let key = self.record_key(record);
             let mut del = ::redis::cmd("DEL");
-            del.arg(self.record_key(record));
+            // The tombstone's name is in the record's slot: one command.
+            del.arg(self.tombstone_key(&key)).arg(key);
             let deleted: i64 = self
                 .call(async |connection| del.query_async(connection).await)
                 .await?;
@@ -474,6 +543,33 @@ impl Store for RedisStore {
 }
 
 impl RedisStore {
+    /// complete.lua with the key's tombstone: the record completed for `retention` ms, and the
+    /// tombstone written for the horizon, if `lease`'s owner still holds the key.
+    async fn complete_with_tombstone(
+        &self,
+        lease: &Lease,
+        (key, tombstone): (String, String),
+        (encoded, status): (&[u8], u16),
+        retention: u64,
+    ) -> Result<Ownership, StoreError> {
+        let mut invocation = COMPLETE.key(key);
+        invocation
+            .key(tombstone)
+            .arg(&lease.owner().as_bytes()[..])
+            .arg(encoded)
+            .arg(retention)
+            .arg(millis(self.horizon))
+            .arg(format!("{status:03}"));
+        let applied: i64 = self
+            .call(async |connection| invocation.invoke_async(connection).await)
+            .await?;
+        Ok(if applied == 1 {
+            Ownership::Held
+        } else {
+            Ownership::Lost
+        })
+    }
+
     /// The stuck records of one master (or of the one server), each call under the timeout.
     async fn stuck_on(
         &self,
@@ -526,6 +622,28 @@ impl RedisStore {
             }
         }
     }
+}
+
+/// What a tombstone says, for an operator: no owner or fence (it keeps neither), its age from
+/// the key's completion, its expiry the horizon's end. `now` is the server's clock in
+/// microseconds.
+fn tombstone_info(
+    record: RecordKey,
+    value: &[u8],
+    pttl: i64,
+    now: u128,
+) -> Result<RecordInfo, String> {
+    let tombstone = Tombstone::parse(value)?;
+    Ok(RecordInfo {
+        record,
+        state: RecordState::AnswerExpired,
+        fence: 0,
+        owner: uuid::Uuid::nil(),
+        lease_left: None,
+        age: Some(since(u128::from(tombstone.completed), now)),
+        expires_in: Duration::from_millis(u64::try_from(pttl).unwrap_or(0)),
+        status: Some(tombstone.status),
+    })
 }
 
 /// A reply read as `T`, or the store's error.
@@ -599,6 +717,24 @@ fn parse_claim(reply: Value, request: &ClaimRequest) -> Result<ClaimOutcome, Str
         [Value::Int(1), Value::BulkString(record), Value::Int(pttl)] => {
             let left = Duration::from_millis(u64::try_from(*pttl).unwrap_or(0));
             read_record(record, request, left)
+        }
+        [
+            Value::Int(2),
+            Value::BulkString(tombstone),
+            Value::BulkString(now),
+        ] => {
+            let tombstone = Tombstone::parse(tombstone)?;
+            if !tombstone.matches(request.fingerprint()) {
+                return Ok(ClaimOutcome::Mismatch);
+            }
+            let now: u64 = std::str::from_utf8(now)
+                .ok()
+                .and_then(|n| n.parse().ok())
+                .ok_or("unreadable server time")?;
+            Ok(ClaimOutcome::AnswerExpired {
+                status: tombstone.status,
+                completed_ago: since(u128::from(tombstone.completed), u128::from(now)),
+            })
         }
         _ => Err(format!("unexpected claim reply {items:?}")),
     }

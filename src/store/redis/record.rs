@@ -59,6 +59,53 @@ pub(super) fn completed(in_flight: &[u8], response: &[u8]) -> Vec<u8> {
     record
 }
 
+/// A tombstone read back (complete.lua writes it beside the record, claim.lua returns it once
+/// the record expired):
+///
+/// ```text
+/// fingerprint (32) | status (3 digits) | completed (16 digits: the server's microseconds)
+/// ```
+#[derive(Debug)]
+pub(super) struct Tombstone<'a> {
+    fingerprint: &'a [u8],
+    pub(super) status: http::StatusCode,
+    /// When the key completed, on the server's clock, in microseconds.
+    pub(super) completed: u64,
+}
+
+/// Where the parts of a tombstone start, and its length.
+const TOMBSTONE_STATUS: usize = 32;
+const TOMBSTONE_COMPLETED: usize = 35;
+const TOMBSTONE_LEN: usize = 51;
+
+impl<'a> Tombstone<'a> {
+    /// Reads a tombstone; `Err` says what is wrong with it.
+    pub(super) fn parse(value: &'a [u8]) -> Result<Self, String> {
+        if value.len() != TOMBSTONE_LEN {
+            return Err(format!("tombstone of {} bytes", value.len()));
+        }
+        let digits = |range: std::ops::Range<usize>| {
+            std::str::from_utf8(&value[range])
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok())
+        };
+        let status = digits(TOMBSTONE_STATUS..TOMBSTONE_COMPLETED)
+            .and_then(|s| http::StatusCode::from_u16(u16::try_from(s).ok()?).ok())
+            .ok_or("unreadable tombstone status")?;
+        let completed = digits(TOMBSTONE_COMPLETED..TOMBSTONE_LEN).ok_or("unreadable time")?;
+        Ok(Self {
+            fingerprint: &value[..TOMBSTONE_STATUS],
+            status,
+            completed,
+        })
+    }
+
+    /// Whether the key completed for a request with `fingerprint`.
+    pub(super) fn matches(&self, fingerprint: &Fingerprint) -> bool {
+        self.fingerprint == fingerprint.as_bytes()
+    }
+}
+
 /// A record read back.
 #[derive(Debug)]
 pub(super) struct Record<'a> {
@@ -160,6 +207,24 @@ mod tests {
         let parts = http::Request::post("/").body(()).unwrap().into_parts().0;
         let fingerprint = Fingerprint::of_request(&parts, &[], b"");
         assert_eq!(in_flight_head(&fingerprint, Uuid::nil()).len(), FENCE);
+        // complete.lua's tombstone: the record's fingerprint, the status, the clock.
+        let tombstone = format!(
+            "string.sub(record, {}, {}) .. ARGV[5] .. clock",
+            FINGERPRINT + 1,
+            OWNER
+        );
+        assert!(complete.contains(&tombstone), "complete.lua's tombstone");
+        assert_eq!(TOMBSTONE_LEN - TOMBSTONE_COMPLETED, RESPONSE - FENCE);
+        let written = [
+            fingerprint.as_bytes().as_slice(),
+            b"201",
+            b"1795968561227110",
+        ]
+        .concat();
+        let read = Tombstone::parse(&written).unwrap();
+        assert!(read.matches(&fingerprint));
+        assert_eq!(read.status, http::StatusCode::CREATED);
+        assert_eq!(read.completed, 1_795_968_561_227_110);
     }
 
     /// What the compare-and-set path writes is what the scripts write, and reads back the same.
