@@ -305,14 +305,18 @@ impl RedisStore {
         .await
     }
 
-    /// Runs an owner-checked script that answers 1 (applied) or 0 (not the owner).
+    /// Runs an owner-checked script that answers 1 (applied) or 0 (not the owner), on the
+    /// lease's record and, when given, its `tombstone`.
     async fn owner_checked(
         &self,
         script: &Script,
-        lease: &Lease,
+        (lease, tombstone): (&Lease, Option<String>),
         args: &[&[u8]],
     ) -> Result<Ownership, StoreError> {
         let mut invocation = script.key(self.record_key(lease.record()));
+        if let Some(tombstone) = tombstone {
+            invocation.key(tombstone);
+        }
         invocation.arg(&lease.owner().as_bytes()[..]);
         for arg in args {
             invocation.arg(*arg);
@@ -416,7 +420,7 @@ impl Store for RedisStore {
                 return Ok(ownership);
             }
             let duration = duration.to_string();
-            self.owner_checked(&RENEW, lease, &[duration.as_bytes()])
+            self.owner_checked(&RENEW, (lease, None), &[duration.as_bytes()])
                 .await
         })
     }
@@ -430,26 +434,30 @@ impl Store for RedisStore {
         Box::pin(async move {
             let encoded = response.encode();
             let retention = millis(retention);
-            let key = self.record_key(lease.record());
-            if let Some(tombstone) = self.tombstone_key(&key) {
-                let status = response.status().as_u16();
-                let keys = (key, tombstone);
-                return self
-                    .complete_with_tombstone(lease, keys, (&encoded, status), retention)
-                    .await;
-            }
+            // With a tombstone to write beside the record, complete.lua writes both.
+            let tombstone = self.tombstone_key(&self.record_key(lease.record()));
             let completed = |in_flight: &[u8]| record::completed(in_flight, &encoded);
-            if let Some(ownership) = self.compare_and_set(lease, completed, retention).await? {
+            if tombstone.is_none()
+                && let Some(ownership) = self.compare_and_set(lease, completed, retention).await?
+            {
                 return Ok(ownership);
             }
             let retention = retention.to_string();
-            self.owner_checked(&COMPLETE, lease, &[&encoded, retention.as_bytes()])
+            let horizon = millis(self.horizon).to_string();
+            let status = format!("{:03}", response.status().as_u16());
+            let args: &[&[u8]] = &[
+                &encoded,
+                retention.as_bytes(),
+                horizon.as_bytes(),
+                status.as_bytes(),
+            ];
+            self.owner_checked(&COMPLETE, (lease, tombstone), args)
                 .await
         })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        Box::pin(async move { self.owner_checked(&RELEASE, lease, &[]).await })
+        Box::pin(async move { self.owner_checked(&RELEASE, (lease, None), &[]).await })
     }
 
     fn kind(&self) -> &'static str {
@@ -543,33 +551,6 @@ impl Store for RedisStore {
 }
 
 impl RedisStore {
-    /// complete.lua with the key's tombstone: the record completed for `retention` ms, and the
-    /// tombstone written for the horizon, if `lease`'s owner still holds the key.
-    async fn complete_with_tombstone(
-        &self,
-        lease: &Lease,
-        (key, tombstone): (String, String),
-        (encoded, status): (&[u8], u16),
-        retention: u64,
-    ) -> Result<Ownership, StoreError> {
-        let mut invocation = COMPLETE.key(key);
-        invocation
-            .key(tombstone)
-            .arg(&lease.owner().as_bytes()[..])
-            .arg(encoded)
-            .arg(retention)
-            .arg(millis(self.horizon))
-            .arg(format!("{status:03}"));
-        let applied: i64 = self
-            .call(async |connection| invocation.invoke_async(connection).await)
-            .await?;
-        Ok(if applied == 1 {
-            Ownership::Held
-        } else {
-            Ownership::Lost
-        })
-    }
-
     /// The stuck records of one master (or of the one server), each call under the timeout.
     async fn stuck_on(
         &self,
