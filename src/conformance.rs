@@ -410,12 +410,7 @@ pub async fn a_key_past_its_retention_is_refused_until_the_horizon(store: &impl 
         TOMBSTONE_HORIZON,
         "build the store with_tombstones(TOMBSTONE_HORIZON)"
     );
-    let record = record();
-    let lease = acquire(store, &request(&record, "a", LONG)).await;
-    let completing = tokio::time::Instant::now();
-    let completed = store.complete(&lease, &response(), SHORT).await;
-    assert_eq!(completed.expect("complete failed"), Ownership::Held);
-    tokio::time::sleep(PAST_SHORT).await;
+    let (record, lease, completing) = completed_past_its_retention(store).await;
     match claim(store, &request(&record, "a", LONG)).await {
         ClaimOutcome::AnswerExpired {
             status,
@@ -445,11 +440,7 @@ pub async fn a_key_past_its_retention_is_refused_until_the_horizon(store: &impl 
 /// With tombstones: `inspect` shows a key past its retention as `AnswerExpired`, with its
 /// status, until no later than the horizon; `forget` deletes it, and the key is free.
 pub async fn an_operator_sees_and_forgets_a_tombstone(store: &impl Store) {
-    let record = record();
-    let lease = acquire(store, &request(&record, "a", LONG)).await;
-    let completed = store.complete(&lease, &response(), SHORT).await;
-    assert_eq!(completed.expect("complete failed"), Ownership::Held);
-    tokio::time::sleep(PAST_SHORT).await;
+    let (record, ..) = completed_past_its_retention(store).await;
     match store.inspect(&record).await {
         Err(StoreError::Unsupported { .. }) => {}
         Ok(Some(info)) => {
@@ -464,6 +455,20 @@ pub async fn an_operator_sees_and_forgets_a_tombstone(store: &impl Store) {
         "forget found no tombstone"
     );
     acquire(store, &request(&record, "b", LONG)).await;
+}
+
+/// A fresh key claimed and completed for the request with body "a", with a [`SHORT`] retention,
+/// once that retention has passed: the key, its lease, and about when it completed (just before).
+async fn completed_past_its_retention(
+    store: &impl Store,
+) -> (RecordKey, Lease, tokio::time::Instant) {
+    let record = record();
+    let lease = acquire(store, &request(&record, "a", LONG)).await;
+    let completing = tokio::time::Instant::now();
+    let completed = store.complete(&lease, &response(), SHORT).await;
+    assert_eq!(completed.expect("complete failed"), Ownership::Held);
+    tokio::time::sleep(PAST_SHORT).await;
+    (record, lease, completing)
 }
 
 /// The same key in two scopes is two keys.

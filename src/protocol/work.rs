@@ -251,13 +251,13 @@ where
     use crate::store::unit::{self, Seen};
     let settings = &engine.settings;
     let deadline = Instant::now() + wait;
+    let horizon = settings.store.tombstone_horizon();
     let mut work = Some(work);
     loop {
         let mut tx = match pool.begin().await {
             Ok(tx) => tx,
-            Err(error) => return Delivered::Store(unit::failed(error)),
+            Err(error) => return Delivered::Store(unit::backend(error)),
         };
-        let horizon = settings.store.tombstone_horizon();
         let replaced = match unit::begin(&mut tx, unit, settings.lease, horizon).await {
             Ok(Seen::Free) => None,
             Ok(Seen::Expired(fence)) => Some(fence),
@@ -293,7 +293,7 @@ where
         }
         return match tx.commit().await {
             Ok(()) => Delivered::Executed(outcome),
-            Err(error) => Delivered::Store(unit::failed(error)),
+            Err(error) => Delivered::Store(unit::backend(error)),
         };
     }
 }

@@ -262,17 +262,20 @@ fn read_claim(row: &PgRow, record: &RecordKey) -> Result<Option<ClaimOutcome>, S
             retry_after: column_millis(row, "lease_ms")?,
         },
         "orphaned" => ClaimOutcome::Orphaned,
-        "answer_expired" => {
-            let status: Option<i16> = row.try_get("status").map_err(backend)?;
-            let status = status.and_then(|s| http::StatusCode::from_u16(s as u16).ok());
-            ClaimOutcome::AnswerExpired {
-                status: status.ok_or_else(|| corrupt("a tombstone without a status".into()))?,
-                completed_ago: column_millis(row, "ran_ms")?,
-            }
-        }
+        "answer_expired" => ClaimOutcome::AnswerExpired {
+            status: column_status(row)?
+                .ok_or_else(|| corrupt("a tombstone without a status".into()))?,
+            completed_ago: column_millis(row, "ran_ms")?,
+        },
         "expired" | "lapsed" => return Ok(None),
         other => return Err(corrupt(format!("unknown claim verdict {other:?}").into())),
     }))
+}
+
+/// The `status` column (`NULL`, or a number no status is, as none).
+pub(super) fn column_status(row: &PgRow) -> Result<Option<http::StatusCode>, StoreError> {
+    let status: Option<i16> = row.try_get("status").map_err(backend)?;
+    Ok(status.and_then(|s| http::StatusCode::from_u16(s as u16).ok()))
 }
 
 /// A column of milliseconds (`NULL` and negative as zero) as a duration.

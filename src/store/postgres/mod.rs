@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 pub(crate) use self::fence::{advance, commit, recovery_point};
 use self::{
     batch::{Batches, Completion, Queued, Release, Renewal},
-    claim::column_millis,
+    claim::{column_millis, column_status},
     connections::Connections,
     sql::*,
 };
@@ -626,7 +626,6 @@ fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
     };
     let millis = |column| column_millis(row, column);
     let fence: i64 = row.try_get("fence").map_err(backend)?;
-    let status: Option<i16> = row.try_get("status").map_err(backend)?;
     Ok(RecordInfo {
         state,
         fence: u64::try_from(fence).unwrap_or_default(),
@@ -636,7 +635,7 @@ fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
             .transpose()?,
         age: Some(millis("age_ms")?),
         expires_in: millis("expires_ms")?,
-        status: status.and_then(|s| http::StatusCode::from_u16(s as u16).ok()),
+        status: column_status(row)?,
         record,
     })
 }
@@ -650,7 +649,8 @@ fn held_if_one(rows: u64) -> Ownership {
     }
 }
 
-fn backend(error: sqlx::Error) -> StoreError {
+/// A driver's `error` as the store's.
+pub(crate) fn backend(error: sqlx::Error) -> StoreError {
     StoreError::backend(STORE, error)
 }
 

@@ -471,23 +471,22 @@ SELECT success, result FROM run_command_on_shards('idempotency_keys', format(
 pub(super) const INSPECT: &str = concat!(
     r"
 SELECT scope, key,
-       CASE WHEN ",
-    buried!("$3"),
-    r" THEN 'tombstone'
+       CASE WHEN buried THEN 'tombstone'
             WHEN state = 'committed' AND response IS NOT NULL THEN 'completed' ELSE state END
            AS state,
        fence, owner, status,
        ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
        ceil(extract(epoch FROM now() - created_at) * 1000)::int8 AS age_ms,
        ceil(extract(epoch FROM greatest(expires_at,
-                                        CASE WHEN ",
-    buried!("$3"),
-    r" THEN updated_at + $3::float8 * interval '1 millisecond' END)
+                                        CASE WHEN buried
+                                             THEN updated_at + $3::float8 * interval '1 millisecond'
+                                        END)
                             - now()) * 1000)::int8 AS expires_ms
-FROM idempotency_keys
-WHERE scope = $1 AND key = $2 AND ((expires_at > now() AND state <> 'tombstone') OR ",
+FROM (SELECT *, ",
     buried!("$3"),
-    r")
+    r" AS buried
+      FROM idempotency_keys WHERE scope = $1 AND key = $2) k
+WHERE (expires_at > now() AND state <> 'tombstone') OR buried
 "
 );
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use sqlx::{PgConnection, Row};
 
+pub(crate) use super::backend;
 use super::{STORE, millis, sql::*};
 use crate::{
     Fingerprint, StoredResponse,
@@ -52,11 +53,11 @@ pub(crate) async fn begin(
         .bind(millis(horizon))
         .fetch_one(connection)
         .await
-        .map_err(failed)?;
-    if !row.try_get::<bool, _>("locked").map_err(failed)? {
+        .map_err(backend)?;
+    if !row.try_get::<bool, _>("locked").map_err(backend)? {
         return Ok(Seen::Locked);
     }
-    let Some(state) = row.try_get::<Option<String>, _>("state").map_err(failed)? else {
+    let Some(state) = row.try_get::<Option<String>, _>("state").map_err(backend)? else {
         return Ok(Seen::Free);
     };
     let column = |name| {
@@ -64,13 +65,13 @@ pub(crate) async fn begin(
             .map(|b| b == Some(true))
     };
     let (leased, live, buried) = (
-        column("leased").map_err(failed)?,
-        column("live").map_err(failed)?,
-        column("buried").map_err(failed)?,
+        column("leased").map_err(backend)?,
+        column("live").map_err(backend)?,
+        column("buried").map_err(backend)?,
     );
-    let fence: i64 = row.try_get("fence").map_err(failed)?;
-    let stored: Vec<u8> = row.try_get("fingerprint").map_err(failed)?;
-    let response: Option<Vec<u8>> = row.try_get("response").map_err(failed)?;
+    let fence: i64 = row.try_get("fence").map_err(backend)?;
+    let stored: Vec<u8> = row.try_get("fingerprint").map_err(backend)?;
+    let response: Option<Vec<u8>> = row.try_get("response").map_err(backend)?;
     let same = stored[..] == fingerprint.as_bytes()[..];
     Ok(match (state.as_str(), response) {
         _ if buried && same => Seen::AnswerExpired,
@@ -82,7 +83,7 @@ pub(crate) async fn begin(
                 .map_err(|e| StoreError::corrupt(STORE, record, e))?,
         )),
         (_, None) if leased => {
-            let left: Option<i64> = row.try_get("lease_ms").map_err(failed)?;
+            let left: Option<i64> = row.try_get("lease_ms").map_err(backend)?;
             Seen::InFlight(Duration::from_millis(left.unwrap_or(0).max(0) as u64))
         }
         ("in_flight", None) => Seen::Expired(fence),
@@ -120,11 +121,6 @@ pub(crate) async fn complete(
     match written.execute(connection).await {
         Ok(done) => Ok(done.rows_affected() == 1),
         Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
-        Err(error) => Err(failed(error)),
+        Err(error) => Err(backend(error)),
     }
-}
-
-/// `error` as the store's.
-pub(crate) fn failed(error: sqlx::Error) -> StoreError {
-    StoreError::backend(STORE, error)
 }

@@ -492,23 +492,17 @@ impl Store for RedisStore {
     ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
         Box::pin(async move {
             let key = self.record_key(record);
-            // The tombstone's name is in the record's slot; without one, the record's twice.
-            let tombstone = self.tombstone_key(&key).unwrap_or_else(|| key.clone());
-            let mut pipe = ::redis::pipe();
-            pipe.cmd("GET").arg(&key).cmd("PTTL").arg(&key).cmd("TIME");
-            pipe.cmd("GET").arg(&tombstone).cmd("PTTL").arg(&tombstone);
-            // One slot and TIME: on a cluster, all of them go to the record's master.
-            type Reply = (Option<Vec<u8>>, i64, (u64, u64), Option<Vec<u8>>, i64);
-            let (value, pttl, now, buried, buried_pttl): Reply = self
-                .call(async |connection| pipe.query_async(connection).await)
-                .await?;
-            let now = u128::from(now.0) * 1_000_000 + u128::from(now.1);
-            let info = match (value, buried) {
-                (Some(value), _) => Some(record_info(record.clone(), &value, pttl, now)),
-                (None, Some(buried)) if tombstone != key => {
-                    Some(tombstone_info(record.clone(), &buried, buried_pttl, now))
-                }
-                (None, _) => None,
+            let info = match self.read(&key).await? {
+                (Some(value), pttl, now) => Some(record_info(record.clone(), &value, pttl, now)),
+                (None, ..) => match self.tombstone_key(&key) {
+                    Some(tombstone) => match self.read(&tombstone).await? {
+                        (Some(value), pttl, now) => {
+                            Some(tombstone_info(record.clone(), &value, pttl, now))
+                        }
+                        (None, ..) => None,
+                    },
+                    None => None,
+                },
             };
             info.transpose()
                 .map_err(|reason| StoreError::corrupt(STORE, record, reason))
@@ -551,6 +545,17 @@ impl Store for RedisStore {
 }
 
 impl RedisStore {
+    /// `key`'s value, what is left of its expiry (ms) and the server's clock (µs), in one round
+    /// trip: on a cluster, all three go to the key's master.
+    async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, i64, u128), StoreError> {
+        let mut pipe = ::redis::pipe();
+        pipe.cmd("GET").arg(key).cmd("PTTL").arg(key).cmd("TIME");
+        let (value, pttl, now): (Option<Vec<u8>>, i64, (u64, u64)) = self
+            .call(async |connection| pipe.query_async(connection).await)
+            .await?;
+        Ok((value, pttl, micros(now)))
+    }
+
     /// The stuck records of one master (or of the one server), each call under the timeout.
     async fn stuck_on(
         &self,
@@ -583,7 +588,7 @@ impl RedisStore {
                 .call(async |connection| connection.pipeline_on(node, &pipe).await)
                 .await?;
             let now: (u64, u64) = from_value(replies.pop().unwrap_or(Value::Nil))?;
-            let now = u128::from(now.0) * 1_000_000 + u128::from(now.1);
+            let now = micros(now);
             for (key, pair) in keys.iter().zip(replies.chunks(2)) {
                 let (Some(record), [Value::BulkString(value), Value::Int(pttl)]) =
                     (self.parse_record_key(key), pair)
@@ -690,9 +695,7 @@ fn parse_claim(reply: Value, request: &ClaimRequest) -> Result<ClaimOutcome, Str
         return Err(format!("unexpected claim reply {reply:?}"));
     };
     match items.as_slice() {
-        [Value::Int(0), Value::BulkString(fence)] => std::str::from_utf8(fence)
-            .ok()
-            .and_then(|f| f.parse().ok())
+        [Value::Int(0), Value::BulkString(fence)] => record::number(fence)
             .map(|fence| ClaimOutcome::Acquired { fence })
             .ok_or_else(|| format!("unreadable fence {fence:?}")),
         [Value::Int(1), Value::BulkString(record), Value::Int(pttl)] => {
@@ -708,10 +711,7 @@ fn parse_claim(reply: Value, request: &ClaimRequest) -> Result<ClaimOutcome, Str
             if !tombstone.matches(request.fingerprint()) {
                 return Ok(ClaimOutcome::Mismatch);
             }
-            let now: u64 = std::str::from_utf8(now)
-                .ok()
-                .and_then(|n| n.parse().ok())
-                .ok_or("unreadable server time")?;
+            let now = record::number(now).ok_or("unreadable server time")?;
             Ok(ClaimOutcome::AnswerExpired {
                 status: tombstone.status,
                 completed_ago: since(u128::from(tombstone.completed), u128::from(now)),
@@ -738,6 +738,11 @@ fn read_record(
             expires_in: left,
         },
     })
+}
+
+/// `TIME`'s answer (seconds, microseconds) in microseconds.
+fn micros((seconds, micros): (u64, u64)) -> u128 {
+    u128::from(seconds) * 1_000_000 + u128::from(micros)
 }
 
 /// The time between two instants of the server's clock (µs), or zero if the second came first.

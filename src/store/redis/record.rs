@@ -59,6 +59,11 @@ pub(super) fn completed(in_flight: &[u8], response: &[u8]) -> Vec<u8> {
     record
 }
 
+/// A decimal number the scripts wrote (a fence, the server's clock, a status), if it is one.
+pub(super) fn number(digits: &[u8]) -> Option<u64> {
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
 /// A tombstone read back (complete.lua writes it beside the record, claim.lua returns it once
 /// the record expired):
 ///
@@ -84,15 +89,11 @@ impl<'a> Tombstone<'a> {
         if value.len() != TOMBSTONE_LEN {
             return Err(format!("tombstone of {} bytes", value.len()));
         }
-        let digits = |range: std::ops::Range<usize>| {
-            std::str::from_utf8(&value[range])
-                .ok()
-                .and_then(|s| s.parse::<u64>().ok())
-        };
-        let status = digits(TOMBSTONE_STATUS..TOMBSTONE_COMPLETED)
+        let status = number(&value[TOMBSTONE_STATUS..TOMBSTONE_COMPLETED])
             .and_then(|s| http::StatusCode::from_u16(u16::try_from(s).ok()?).ok())
             .ok_or("unreadable tombstone status")?;
-        let completed = digits(TOMBSTONE_COMPLETED..TOMBSTONE_LEN).ok_or("unreadable time")?;
+        let completed =
+            number(&value[TOMBSTONE_COMPLETED..TOMBSTONE_LEN]).ok_or("unreadable time")?;
         Ok(Self {
             fingerprint: &value[..TOMBSTONE_STATUS],
             status,
@@ -135,10 +136,7 @@ impl<'a> Record<'a> {
             other => return Err(format!("unknown state {:?}", char::from(other))),
         };
         let owner = Uuid::from_slice(&value[OWNER..FENCE]).map_err(|e| e.to_string())?;
-        let fence = std::str::from_utf8(&value[FENCE..RESPONSE])
-            .ok()
-            .and_then(|f| f.parse().ok())
-            .ok_or("unreadable fence")?;
+        let fence = number(&value[FENCE..RESPONSE]).ok_or("unreadable fence")?;
         Ok(Self {
             fingerprint: &value[FINGERPRINT..OWNER],
             owner,
