@@ -2,7 +2,7 @@
 //! status, the application's problem hook, or `application/problem+json`), reported (span,
 //! metrics, event, response extension), or replayed from the store.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response};
@@ -10,7 +10,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response};
 use crate::{
     IdempotencyKey, IdempotencyOutcome, StoredResponse,
     body::ResponseBody,
-    headers::{IDEMPOTENT_REPLAYED, vary_names},
+    headers::{self, IDEMPOTENT_REPLAYED, vary_names},
     problem::{Problem, Rejection},
     telemetry::Telemetry,
 };
@@ -59,14 +59,19 @@ impl Answers {
         response
     }
 
-    /// A stored response, replayed and reported.
+    /// A stored response, replayed and reported; saying its key is protected for `protected`
+    /// more, when the layer says so.
     pub(crate) fn replay<B>(
         &self,
         telemetry: &Telemetry,
         stored: StoredResponse,
+        protected: Option<Duration>,
     ) -> Response<ResponseBody<B>> {
         let (status, mut headers, body, trailers) = stored.into_parts();
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        if let Some(left) = protected {
+            headers::protected_for(&mut headers, left);
+        }
         let mut response = Response::new(ResponseBody::full(body.unwrap_or_default(), trailers));
         *response.status_mut() = status;
         *response.headers_mut() = headers;

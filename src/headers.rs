@@ -1,14 +1,28 @@
 //! Header names and values the layer reads or writes on the wire.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use http::{HeaderMap, HeaderName, header::VARY};
+use http::{HeaderMap, HeaderName, HeaderValue, header::VARY};
 
 /// The header that marks a replayed response (`Idempotent-Replayed: true`).
 pub(crate) const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
 /// The header that says which of a request's preferences were honored (RFC 7240).
 pub(crate) const PREFERENCE_APPLIED: &str = "preference-applied";
+
+/// The header that says until when the answer's key is protected (an HTTP date), on the
+/// answers of a layer built
+/// [`with_protected_until_header`](crate::IdempotencyLayer::with_protected_until_header).
+pub const IDEMPOTENCY_KEY_PROTECTED_UNTIL: HeaderName =
+    HeaderName::from_static("idempotency-key-protected-until");
+
+/// Says on an answer that its key is protected for `left` from now: retries with it get the
+/// answer it carries (or, past the retention, a refusal) until then, and run again after.
+pub(crate) fn protected_for(headers: &mut HeaderMap, left: Duration) {
+    let until = httpdate::fmt_http_date(SystemTime::now() + left);
+    let value = HeaderValue::from_str(&until).expect("an HTTP date is a valid header value");
+    headers.insert(IDEMPOTENCY_KEY_PROTECTED_UNTIL, value);
+}
 
 /// How long a request prefers to wait for its answer (`Prefer: wait=N`, RFC 7240, in whole
 /// seconds), if it says. Other preferences, and a preference's parameters, are ignored; a

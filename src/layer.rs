@@ -328,6 +328,37 @@ impl IdempotencyLayer {
         self.settings.recovery = Some(Arc::new(move |record| Box::pin(recover(record))));
         self
     }
+
+    /// Says on every answer that stands for the key's outcome until when that key is
+    /// protected: `Idempotency-Key-Protected-Until`, an HTTP date
+    /// ([`IDEMPOTENCY_KEY_PROTECTED_UNTIL`](crate::IDEMPOTENCY_KEY_PROTECTED_UNTIL)). Off by
+    /// default.
+    ///
+    /// Until then, a retry with the key gets the outcome (the replay, or past the retention the
+    /// store's tombstone, `410 answer-expired`); after it, the key is new and the request runs
+    /// again. The date is the key's completion plus its retention
+    /// ([`with_retention`](Self::with_retention)), or plus the store's tombstone horizon when
+    /// that is longer. It is sent on:
+    ///
+    /// - the answer that completed the key, once it is stored;
+    /// - a replay;
+    /// - the `410 answer-expired` of a tombstone.
+    ///
+    /// Never on an answer that released the key (a 5xx, say), on a 409 while the key is in
+    /// flight, or on a response streamed before it was stored.
+    ///
+    /// The client layer (`client` feature) learns from it how long the server protects a key,
+    /// and stops retrying a logical call past that.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_protected_until_header(true);
+    /// ```
+    pub fn with_protected_until_header(mut self, send: bool) -> Self {
+        self.settings.protected_until_header = send;
+        self
+    }
 }
 
 /// # Observability: logs and counters

@@ -126,6 +126,7 @@ pub use self::{
     claim::IdempotencyClaim,
     fingerprint::Fingerprint,
     future::ResponseFuture,
+    headers::IDEMPOTENCY_KEY_PROTECTED_UNTIL,
     key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN},
     layer::IdempotencyLayer,
     outcome::IdempotencyOutcome,

@@ -64,6 +64,7 @@ pub(crate) struct Settings {
     pub(crate) policy: CompletionPolicy,
     pub(crate) answers: Answers,
     pub(crate) recovery: Option<Arc<RecoveryFn>>,
+    pub(crate) protected_until_header: bool,
     // Observability.
     pub(crate) keys_in_clear: bool,
 }
@@ -90,8 +91,17 @@ impl Settings {
             policy: CompletionPolicy::default(),
             answers: Answers::default(),
             recovery: None,
+            protected_until_header: false,
             keys_in_clear: false,
         }
+    }
+
+    /// How long after its completion a key stays protected (its retention, or the store's
+    /// tombstone horizon when longer), if the layer says so on its answers.
+    pub(crate) fn protection(&self) -> Option<Duration> {
+        let horizon = self.store.tombstone_horizon();
+        self.protected_until_header
+            .then(|| self.retention.max(horizon))
     }
 
     /// A record as this layer's logs show it, outside a request's span (which names it).

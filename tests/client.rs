@@ -140,11 +140,22 @@ impl Canned {
 
 /// Two instances of the app, each its own router and layer, sharing one Postgres store.
 async fn fleet(schema: &TestSchema, work: Duration, canned: Canned) -> (Seen, Vec<SocketAddr>) {
+    fleet_with(schema, work, canned, |layer| layer).await
+}
+
+/// [`fleet`], its layers configured by `configure` beyond the tests' own.
+async fn fleet_with(
+    schema: &TestSchema,
+    work: Duration,
+    canned: Canned,
+    configure: fn(IdempotencyLayer) -> IdempotencyLayer,
+) -> (Seen, Vec<SocketAddr>) {
     let seen = Seen::default();
     let mut addrs = Vec::new();
     for _ in 0..2 {
         let layer = IdempotencyLayer::new(PostgresStore::new(schema.pool.clone()))
             .with_wait(Duration::from_millis(300));
+        let layer = configure(layer);
         let app = App {
             seen: seen.clone(),
             work,
@@ -478,5 +489,115 @@ async fn the_retry_budget_stops_a_retry_storm() {
     println!(
         "a fleet answering 503: {without} requests for {calls} calls without a budget, {with} with one"
     );
+    schema.drop().await;
+}
+
+/// A dead-letter retry, resumed once its key's answer is gone: the bug idempotency exists to
+/// kill, and the protection the server says on its answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_resumed_past_the_servers_protection_is_refused_instead_of_run_twice() {
+    use tower_idempotency::client::{CallError, CallStarted, ProtectionEnded};
+    let schema = TestSchema::new().await;
+    let retention = Duration::from_secs(3);
+    let (seen, addrs) = fleet_with(&schema, Duration::ZERO, Canned::Nothing, |layer| {
+        layer
+            .with_retention(Duration::from_secs(3))
+            .with_protected_until_header(true)
+    })
+    .await;
+    let proxy = FaultProxy::start(addrs.clone(), vec![Fault::DropAnswer]).await;
+    let quick = || {
+        IdempotencyClientLayer::new()
+            .with_max_attempts(2)
+            .with_backoff(Duration::from_millis(10), Duration::from_millis(20))
+    };
+    let client = client(quick());
+
+    // The call ran, and its caller never heard: it keeps the key and the start for later.
+    let request = http::Request::post(format!("{}/payments", proxy.url))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let error = client.clone().oneshot(request).await.unwrap_err();
+    let gave_up = error.downcast_ref::<CallError>().expect("a CallError");
+    let (key, started) = (gave_up.key().to_owned(), gave_up.started());
+    assert_eq!(seen.effects(&key), 1);
+
+    // Another call teaches the client how long the server protects a key.
+    let url = format!("http://{}", addrs[0]);
+    let teacher = post_payment(&client, &url, None, "{}").await;
+    assert_eq!(teacher.status, StatusCode::CREATED);
+    let resume = |client: &IdempotencyClient<Http>| {
+        let mut request = http::Request::post(format!("{url}/payments"))
+            .header("content-type", "application/json")
+            .header("idempotency-key", &key)
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        request.extensions_mut().insert(CallStarted(started));
+        client.clone().oneshot(request)
+    };
+
+    // Resumed while the key is protected: the first run's answer.
+    let answer = resume(&client).await.unwrap();
+    assert!(answer.extensions().get::<ClientOutcome>().unwrap().replayed);
+    assert_eq!(seen.effects(&key), 1);
+
+    // Resumed past it: not sent.
+    tokio::time::sleep(retention + Duration::from_millis(500)).await;
+    let arrived = seen.arrivals(&key).len();
+    let error = resume(&client).await.unwrap_err();
+    let ended = error
+        .downcast_ref::<ProtectionEnded>()
+        .expect("ProtectionEnded");
+    assert_eq!((ended.key(), ended.attempts()), (key.as_str(), 0));
+    assert!(ended.protection() < retention, "{:?}", ended.protection());
+    assert_eq!(seen.arrivals(&key).len(), arrived, "nothing sent");
+    assert_eq!(seen.effects(&key), 1, "one payment for the logical call");
+
+    // What it spared: a client that never learned the protection sends it, and it runs again.
+    let naive = resume(&self::client(quick())).await.unwrap();
+    assert_eq!(naive.status(), StatusCode::CREATED);
+    assert_eq!(
+        seen.effects(&key),
+        2,
+        "the second payment of a naive client"
+    );
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_stop_where_the_keys_protection_ends() {
+    use tower_idempotency::client::ProtectionEnded;
+    let schema = TestSchema::new().await;
+    let (seen, addrs) = fleet(&schema, Duration::ZERO, Canned::Nothing).await;
+    let proxy = FaultProxy::start(addrs, vec![Fault::DropAnswer]).await;
+    // A server known to keep keys 300 ms; retries every 100 to 200 ms, up to 20 attempts.
+    let client = client(
+        IdempotencyClientLayer::new()
+            .with_max_attempts(20)
+            .with_backoff(Duration::from_millis(100), Duration::from_millis(200))
+            .with_key_protection(Duration::from_millis(300)),
+    );
+    let request = http::Request::post(format!("{}/payments", proxy.url))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let started = Instant::now();
+    let error = client.clone().oneshot(request).await.unwrap_err();
+    let ended = error
+        .downcast_ref::<ProtectionEnded>()
+        .expect("ProtectionEnded");
+    assert!((1..20).contains(&ended.attempts()), "{}", ended.attempts());
+    assert!(
+        std::error::Error::source(ended).is_some(),
+        "the last attempt's error"
+    );
+    let arrivals = seen.arrivals(ended.key());
+    assert_eq!(arrivals.len() as u32, ended.attempts());
+    // No attempt starts past the protection (an attempt started just before it arrives a
+    // moment later).
+    let last = arrivals.last().unwrap().duration_since(started);
+    assert!(last < Duration::from_millis(400), "{last:?}");
+    assert_eq!(seen.effects(ended.key()), 1);
     schema.drop().await;
 }

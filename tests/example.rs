@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use http::{Method, StatusCode};
 use support::{
-    MockProvider, Proc, ProviderFault, RedisServer, TestSchema, database_url, free_port, post_json,
-    send, url_in_schema,
+    Answer, MockProvider, Proc, ProviderFault, RedisServer, TestSchema, database_url, free_port,
+    post_json, send, url_in_schema,
 };
 
 use tower_idempotency::problem;
@@ -104,6 +104,19 @@ async fn payments_example_lets_a_duplicate_wait_as_asked_and_refuses_a_late_retr
     assert_eq!(late.status, StatusCode::GONE, "{late:?}");
     assert_eq!(late.json()["type"], problem::ANSWER_EXPIRED);
     assert!(!late.headers.contains_key("retry-after"));
+    // Both say the same end of the key's protection: the horizon after the payment.
+    let until = |answer: &Answer| {
+        let until = &answer.headers["idempotency-key-protected-until"];
+        httpdate::parse_http_date(until.to_str().unwrap()).unwrap()
+    };
+    let (first_until, late_until) = (until(&first), until(&late));
+    let apart = late_until
+        .duration_since(first_until)
+        .unwrap_or_else(|early| early.duration());
+    assert!(
+        apart <= Duration::from_secs(1),
+        "{first_until:?} {late_until:?}"
+    );
 
     tokio::time::sleep_until((completed + Duration::from_millis(3500)).into()).await;
     let later = post(None).await;

@@ -8,7 +8,9 @@
 //! ```
 //!
 //! Send the same command again: the answer is the same payment, with `Idempotent-Replayed: true`,
-//! and the provider charged once. Change the amount with the same key: 422.
+//! and the provider charged once. Change the amount with the same key: 422. Both answers say
+//! until when the key is protected (`Idempotency-Key-Protected-Until`): its retention, or its
+//! tombstone's horizon when longer.
 //!
 //! | variable | effect |
 //! |---|---|
@@ -105,7 +107,8 @@ async fn main() {
         .with_lease(env_millis("IDEMPOTENCY_LEASE_MS", 30_000))
         .with_wait(env_millis("IDEMPOTENCY_WAIT_MS", 10_000))
         .with_max_wait(env_millis("IDEMPOTENCY_MAX_WAIT_MS", 60_000))
-        .with_retention(env_millis("IDEMPOTENCY_RETENTION_MS", 86_400_000));
+        .with_retention(env_millis("IDEMPOTENCY_RETENTION_MS", 86_400_000))
+        .with_protected_until_header(true);
     if let Ledger::Postgres(pool) = &state.ledger {
         let pool = pool.clone();
         layer = layer.with_recovery(move |record| recover(pool.clone(), record));

@@ -6,7 +6,7 @@ use http::{HeaderName, Method};
 use tower::retry::budget::{Budget, TpsBudget};
 use tower_layer::Layer;
 
-use super::IdempotencyClient;
+use super::{IdempotencyClient, protection::Learned};
 
 /// Default number of attempts of one logical call, the first included: 4.
 pub const DEFAULT_CLIENT_ATTEMPTS: u32 = 4;
@@ -52,6 +52,16 @@ pub(crate) struct ClientSettings {
     pub(crate) backoff_cap: Duration,
     pub(crate) max_body: usize,
     pub(crate) budget: Arc<dyn Budget + Send + Sync>,
+    pub(crate) protection: Option<Duration>,
+    pub(crate) learned: Arc<Learned>,
+}
+
+impl ClientSettings {
+    /// How long the server of `uri` protects a key after its request completes: what its
+    /// answers said last, else what the layer was told.
+    pub(crate) fn protection(&self, uri: &http::Uri) -> Option<Duration> {
+        self.learned.of(uri).or(self.protection)
+    }
 }
 
 impl Default for IdempotencyClientLayer {
@@ -66,7 +76,9 @@ impl IdempotencyClientLayer {
     /// (the caller's own if it set one, else a fresh random key per logical call); up to 4
     /// attempts within 30 s, each cut at 10 s; pauses with full jitter from 100 ms doubling to
     /// 5 s, or as long as the server's `Retry-After` says; request bodies up to 1 MiB buffered
-    /// for retries; a retry budget of tower's defaults (20 % of calls, at least 10 a second).
+    /// for retries; a retry budget of tower's defaults (20 % of calls, at least 10 a second); a
+    /// key's protection as each server says it (`Idempotency-Key-Protected-Until`), else none
+    /// assumed.
     pub fn new() -> Self {
         let settings = ClientSettings {
             methods: vec![Method::POST, Method::PATCH],
@@ -78,6 +90,8 @@ impl IdempotencyClientLayer {
             backoff_cap: DEFAULT_BACKOFF_CAP,
             max_body: DEFAULT_CLIENT_MAX_BODY,
             budget: Arc::new(TpsBudget::default()),
+            protection: None,
+            learned: Arc::default(),
         };
         Self {
             settings: Arc::new(settings),
@@ -153,6 +167,32 @@ impl IdempotencyClientLayer {
     }
 }
 
+/// # Protection: how long a server keeps a key
+impl IdempotencyClientLayer {
+    /// How long the servers protect a key after its request completes (the retention of their
+    /// answers, or of their tombstones when longer), for servers that do not say so on their
+    /// answers: a server that sends `Idempotency-Key-Protected-Until` is taken at its word, per
+    /// origin, from its latest answer that completed a key.
+    ///
+    /// The client never sends a logical call (a retry, or a call resumed with [`CallStarted`])
+    /// once this much has passed since it started, since the server could run it again: it
+    /// answers [`ProtectionEnded`] instead. With neither, it assumes nothing.
+    ///
+    /// [`CallStarted`]: super::CallStarted
+    /// [`ProtectionEnded`]: super::ProtectionEnded
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::client::IdempotencyClientLayer;
+    ///
+    /// // A provider that keeps keys for 24 hours.
+    /// let layer = IdempotencyClientLayer::new().with_key_protection(Duration::from_secs(24 * 3600));
+    /// ```
+    pub fn with_key_protection(self, protection: Duration) -> Self {
+        self.set(|s| s.protection = Some(protection))
+    }
+}
+
 impl<S> Layer<S> for IdempotencyClientLayer {
     type Service = IdempotencyClient<S>;
 
@@ -173,6 +213,7 @@ impl fmt::Debug for IdempotencyClientLayer {
             .field("backoff_base", &s.backoff_base)
             .field("backoff_cap", &s.backoff_cap)
             .field("max_body", &s.max_body)
+            .field("protection", &s.protection)
             .finish_non_exhaustive()
     }
 }

@@ -51,8 +51,42 @@
 //! - `Retry-After` is read as seconds or as an HTTP date (against the response's `Date`).
 //! - Every response carries a [`ClientOutcome`] extension: how many attempts the call took, and
 //!   whether the answer was a replay.
+//! - It never sends a logical call past the time the server protects its key: a server built
+//!   with [`with_protected_until_header`](crate::IdempotencyLayer::with_protected_until_header)
+//!   says on its answers how long that is, and the client remembers it per origin (or is told,
+//!   [`with_key_protection`](IdempotencyClientLayer::with_key_protection)). Past it, a retry
+//!   with the same key could run the call again: the client stops with [`ProtectionEnded`]
+//!   instead of sending it. See [Resuming a call](#resuming-a-call-later).
 //!
 //! Requests that are not guarded pass through, sent once.
+//!
+//! # Resuming a call later
+//!
+//! A call that gave up ([`CallError`]) has an unknown outcome. To try it again later (from a
+//! queue, an outbox, after a restart), send the same request with the error's
+//! [`key`](CallError::key) in the key header and its [`started`](CallError::started) time as a
+//! [`CallStarted`] extension. The server answers with the first run's outcome, or runs it if
+//! none did, for as long as it protects the key after the first run: that protection is counted
+//! from the call's start, which is never later than the first run's completion. Once it may
+//! have ended, the client refuses to send the call and answers [`ProtectionEnded`]: find out
+//! whether the call ran (look its result up) before sending it again with a new key.
+//!
+//! ```no_run
+//! # async fn run(client: impl tower::Service<http::Request<http_body_util::Full<bytes::Bytes>>, Response = http::Response<()>, Error = tower_idempotency::store::BoxError> + Clone, key: String, started: std::time::SystemTime) -> Result<(), tower_idempotency::store::BoxError> {
+//! use tower::ServiceExt;
+//! use tower_idempotency::client::{CallStarted, ProtectionEnded};
+//!
+//! // `key` and `started` kept from the CallError, with the pending work.
+//! let mut request = http::Request::post("http://127.0.0.1:3000/payments").body(Default::default())?;
+//! request.headers_mut().insert("idempotency-key", key.parse()?);
+//! request.extensions_mut().insert(CallStarted(started));
+//! match client.oneshot(request).await {
+//!     Ok(response) => { /* the call's answer, run or replayed */ }
+//!     Err(error) if error.is::<ProtectionEnded>() => { /* look the payment up instead */ }
+//!     Err(error) => return Err(error),
+//! }
+//! # Ok(()) }
+//! ```
 //!
 //! # tonic
 //!
@@ -74,10 +108,11 @@
 
 mod body;
 mod layer;
+mod protection;
 mod service;
 mod verdict;
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 pub use self::{
     body::{ClientBody, ClientResponseBody},
@@ -106,26 +141,30 @@ pub struct ClientOutcome {
 ///
 /// Its outcome is **unknown**, not failed: the server may have run it. To try the same
 /// logical call again later (a retry from a queue, a user pressing "pay" again after a
-/// reconnect), send the request with [`key`](Self::key) in the key header: the layer keeps a
-/// caller's own key, and the server answers with the first run's outcome, or runs it if none
-/// did. A new key would be a new call: its effect could happen twice.
+/// reconnect), send the request with [`key`](Self::key) in the key header and
+/// [`started`](Self::started) as a [`CallStarted`]: the layer keeps a caller's own key, and the
+/// server answers with the first run's outcome, or runs it if none did, while it protects the
+/// key (the client answers [`ProtectionEnded`] once that may be over). A new key would be a new
+/// call: its effect could happen twice.
 ///
 /// ```no_run
 /// # async fn run(client: impl tower::Service<http::Request<http_body_util::Full<bytes::Bytes>>, Response = http::Response<()>, Error = tower_idempotency::store::BoxError> + Clone) -> Result<(), tower_idempotency::store::BoxError> {
 /// use tower::ServiceExt;
-/// use tower_idempotency::client::CallError;
+/// use tower_idempotency::client::{CallError, CallStarted};
 ///
 /// let request = || http::Request::post("http://127.0.0.1:3000/payments").body(Default::default());
-/// let key = match client.clone().oneshot(request()?).await {
+/// let (key, started) = match client.clone().oneshot(request()?).await {
 ///     Ok(response) => return Ok(()),
 ///     Err(error) => match error.downcast_ref::<CallError>() {
-///         Some(gave_up) => gave_up.key().to_owned(), // keep it with the pending work
+///         // Keep both with the pending work.
+///         Some(gave_up) => (gave_up.key().to_owned(), gave_up.started()),
 ///         None => return Err(error),
 ///     },
 /// };
 /// // Later, the same logical call:
 /// let mut again = request()?;
 /// again.headers_mut().insert("idempotency-key", key.parse()?);
+/// again.extensions_mut().insert(CallStarted(started));
 /// client.oneshot(again).await?;
 /// # Ok(()) }
 /// ```
@@ -137,15 +176,21 @@ pub struct ClientOutcome {
 pub struct CallError {
     key: String,
     attempts: u32,
+    started: SystemTime,
     #[source]
     source: crate::store::BoxError,
 }
 
 impl CallError {
-    pub(crate) fn new(key: String, attempts: u32, source: crate::store::BoxError) -> Self {
+    pub(crate) fn new(
+        key: String,
+        (attempts, started): (u32, SystemTime),
+        source: crate::store::BoxError,
+    ) -> Self {
         Self {
             key,
             attempts,
+            started,
             source,
         }
     }
@@ -153,6 +198,12 @@ impl CallError {
     /// The idempotency key the call's attempts carried: send it again to retry the call.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// When the logical call started: its first attempt, or the [`CallStarted`] it was resumed
+    /// with. Keep it with the key, and send it again as a [`CallStarted`] to resume the call.
+    pub fn started(&self) -> SystemTime {
+        self.started
     }
 
     /// The attempts made (0 when the request's body failed before any was sent).
@@ -163,6 +214,73 @@ impl CallError {
     /// The last attempt's error.
     pub fn into_source(self) -> crate::store::BoxError {
         self.source
+    }
+}
+
+/// When a logical call started, for a request that resumes it (with its key, after a
+/// [`CallError`]): a request extension. The client counts the server's protection of the key
+/// from it, and refuses to send the call once that may have ended ([`ProtectionEnded`]).
+/// Without it, a request is a call that starts now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallStarted(pub SystemTime);
+
+/// The client did not send a logical call (again) because the server may no longer protect its
+/// key: the call started longer ago than the server keeps a key after its request completes, so
+/// a request with the key could run the call a second time.
+///
+/// Its outcome is unknown: the call may have run. Find out (look its result up) before sending
+/// it again, with a new key. [`source`](std::error::Error::source) is the last attempt's error,
+/// when this call made attempts before the protection ended.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the call with idempotency key {key} started {:?} ago and the server protects a key for \
+     {protection:?} after its request completes: not sent again, since it could run twice; \
+     its outcome is unknown: look it up before sending it with a new key",
+    .started.elapsed().unwrap_or_default()
+)]
+pub struct ProtectionEnded {
+    key: String,
+    attempts: u32,
+    started: SystemTime,
+    protection: Duration,
+    #[source]
+    source: Option<crate::store::BoxError>,
+}
+
+impl ProtectionEnded {
+    pub(crate) fn new(
+        key: String,
+        (attempts, started): (u32, SystemTime),
+        protection: Duration,
+        source: Option<crate::store::BoxError>,
+    ) -> Self {
+        Self {
+            key,
+            attempts,
+            started,
+            protection,
+            source,
+        }
+    }
+
+    /// The idempotency key of the call.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The attempts this call made before the protection ended (0 when it was resumed too late).
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// When the logical call started.
+    pub fn started(&self) -> SystemTime {
+        self.started
+    }
+
+    /// How long the server protects a key after its request completes, as the client knew it.
+    pub fn protection(&self) -> Duration {
+        self.protection
     }
 }
 

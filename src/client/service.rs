@@ -6,7 +6,7 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
-    time::Duration,
+    time::{Duration, SystemTime},
 };
 
 use bytes::Bytes;
@@ -18,7 +18,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use super::{
-    CallError, ClientError, ClientOutcome,
+    CallError, CallStarted, ClientError, ClientOutcome, ProtectionEnded,
     body::{self, ClientBody, ClientResponseBody, Read},
     layer::ClientSettings,
     verdict::{self, Verdict},
@@ -102,6 +102,13 @@ where
         return Ok(answer.map(ClientResponseBody::live));
     }
     let key = ensure_key(&settings, &mut parts);
+    let started = match started(&settings, &parts) {
+        Ok(started) => started,
+        Err((started, protection)) => {
+            tracing::debug!("a call resumed past its key's protection: not sent");
+            return Err(ProtectionEnded::new(key, (0, started), protection, None).into());
+        }
+    };
     let shown = crate::telemetry::Pseudonym {
         value: &key,
         clear: false,
@@ -115,14 +122,41 @@ where
                 tracing::debug!("request body over the buffer limit: sent once, not retried");
                 let answer = inner.call(Request::from_parts(parts, body)).await;
                 let answer = answer.map(|response| response.map(ClientResponseBody::live));
-                return (answer.map_err(Into::into), 1);
+                return (answer.map_err(Into::into), 1, None);
             }
-            Err(error) => return (Err(error), 0),
+            Err(error) => return (Err(error), 0, None),
         };
-        Retrying::new(&settings, parts, body).run(&mut inner).await
+        Retrying::new(&settings, parts, body, started)
+            .run(&mut inner)
+            .await
     };
-    let (answer, attempts) = call.instrument(span).await;
-    finish(answer, attempts).map_err(|error| CallError::new(key, attempts, error).into())
+    let (answer, attempts, ended) = call.instrument(span).await;
+    match (answer, ended) {
+        (Err(error), Some(protection)) => {
+            let ended = ProtectionEnded::new(key, (attempts, started), protection, Some(error));
+            Err(ended.into())
+        }
+        (answer, _) => finish(answer, attempts)
+            .map_err(|error| CallError::new(key, (attempts, started), error).into()),
+    }
+}
+
+/// When the call started: now, or the [`CallStarted`] it resumes with; or, for a call resumed
+/// past its key's protection, that start and the protection.
+fn started(settings: &ClientSettings, parts: &Parts) -> Result<SystemTime, (SystemTime, Duration)> {
+    let Some(&CallStarted(started)) = parts.extensions.get() else {
+        return Ok(SystemTime::now());
+    };
+    match settings.protection(&parts.uri) {
+        Some(protection) if past(started, protection, Duration::ZERO) => Err((started, protection)),
+        _ => Ok(started),
+    }
+}
+
+/// Whether a call that started at `started` is past a key's `protection` at `after` from now.
+fn past(started: SystemTime, protection: Duration, after: Duration) -> bool {
+    let at = SystemTime::now() + after;
+    at.duration_since(started).unwrap_or_default() >= protection
 }
 
 /// The key of this logical call: the caller's, or a fresh random one.
@@ -148,10 +182,14 @@ struct Retrying<'a> {
     grpc: bool,
     deadline: Instant,
     random: u64,
+    /// When the logical call started, for the key's protection.
+    started: SystemTime,
+    /// The key's protection, once retries stopped because the next would start past it.
+    ended: Option<Duration>,
 }
 
 impl<'a> Retrying<'a> {
-    fn new(settings: &'a ClientSettings, parts: Parts, body: Bytes) -> Self {
+    fn new(settings: &'a ClientSettings, parts: Parts, body: Bytes, started: SystemTime) -> Self {
         let head = (
             parts.method.clone(),
             parts.uri.clone(),
@@ -166,14 +204,21 @@ impl<'a> Retrying<'a> {
             body,
             deadline: Instant::now() + settings.deadline,
             random: uuid::Uuid::new_v4().as_u64_pair().0 | 1,
+            started,
+            ended: None,
         }
     }
 
-    /// The attempts until the answer for the caller: that answer, and how many were made.
+    /// The attempts until the answer for the caller: that answer, how many were made, and the
+    /// key's protection if it is why they stopped.
     async fn run<S, B, ResBody>(
         mut self,
         inner: &mut S,
-    ) -> (Result<Response<ClientResponseBody<ResBody>>, BoxError>, u32)
+    ) -> (
+        Result<Response<ClientResponseBody<ResBody>>, BoxError>,
+        u32,
+        Option<Duration>,
+    )
     where
         S: Service<Request<ClientBody<B>>, Response = Response<ResBody>>,
         S::Error: Into<BoxError>,
@@ -186,7 +231,7 @@ impl<'a> Retrying<'a> {
             let answer = self.attempt(inner).await;
             let Some(pause) = self.pause_after(&answer, attempt) else {
                 tracing::Span::current().record("attempts", attempt);
-                return (answer, attempt);
+                return (answer, attempt, self.ended);
             };
             if !self.settings.budget.withdraw() {
                 tracing::debug!(
@@ -195,7 +240,7 @@ impl<'a> Retrying<'a> {
                 );
                 crate::telemetry::client_retry_denied();
                 tracing::Span::current().record("attempts", attempt);
-                return (answer, attempt);
+                return (answer, attempt, None);
             }
             crate::telemetry::client_retry();
             tracing::debug!(attempt, ?pause, "retrying with the same key");
@@ -266,6 +311,7 @@ impl<'a> Retrying<'a> {
         let hint = match answer {
             Ok(response) => {
                 let (status, headers) = (response.status(), response.headers());
+                self.settings.learned.learn(&self.head.1, headers);
                 let trailers = response.body().trailers();
                 match verdict::of_response(status, headers, trailers, self.grpc) {
                     Verdict::Final => return None,
@@ -286,7 +332,21 @@ impl<'a> Retrying<'a> {
         let (base, cap) = (self.settings.backoff_base, self.settings.backoff_cap);
         let pause = hint.unwrap_or_else(|| verdict::backoff(attempt, base, cap, self.random));
         // A pause that ends past the deadline would only end in the deadline's error.
-        (Instant::now() + pause < self.deadline).then_some(pause)
+        if Instant::now() + pause >= self.deadline {
+            return None;
+        }
+        // One that ends past the key's protection could run the call twice.
+        if let Some(protection) = self.settings.protection(&self.head.1)
+            && past(self.started, protection, pause)
+        {
+            tracing::debug!(
+                ?protection,
+                "the key's protection ends before the next attempt"
+            );
+            self.ended = Some(protection);
+            return None;
+        }
+        Some(pause)
     }
 }
 

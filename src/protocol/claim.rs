@@ -12,6 +12,7 @@ use crate::settings::RecoveryFn;
 use crate::{
     answers::vary_mismatch,
     body::ResponseBody,
+    headers,
     problem::Rejection,
     store::{ClaimOutcome, ClaimRequest, RecordKey, StoreError},
     telemetry::Operation,
@@ -203,11 +204,19 @@ fn answer<B>(
         Ok(ClaimOutcome::Acquired { fence }) => {
             return ControlFlow::Continue(Grant { fence, sent });
         }
-        Ok(ClaimOutcome::Completed { response, .. }) if response.body().is_some() => {
+        Ok(ClaimOutcome::Completed {
+            response,
+            expires_in,
+        }) if response.body().is_some() => {
             match vary_mismatch(&response, request_headers) {
                 None => {
-                    let answers = &engine.settings.answers;
-                    let replayed = answers.replay(&engine.telemetry, *response);
+                    let settings = &engine.settings;
+                    // The key outlives its answer by what the tombstones add to the retention.
+                    let protected = settings
+                        .protection()
+                        .map(|lasts| expires_in + lasts.saturating_sub(settings.retention));
+                    let answers = &settings.answers;
+                    let replayed = answers.replay(&engine.telemetry, *response, protected);
                     return ControlFlow::Break(Some(replayed));
                 }
                 Some(headers) => Rejection::NotAcceptable { headers },
@@ -227,10 +236,10 @@ fn answer<B>(
         Ok(ClaimOutcome::AnswerExpired {
             status,
             completed_ago,
-        }) => Rejection::AnswerExpired {
-            status,
-            completed_ago,
-        },
+        }) => {
+            let answer = answer_expired(engine, record, (status, completed_ago), grpc);
+            return ControlFlow::Break(Some(answer));
+        }
         Err(error) => {
             tracing::error!(
                 error = &error as &dyn std::error::Error,
@@ -240,4 +249,23 @@ fn answer<B>(
         }
     };
     ControlFlow::Break(Some(engine.respond(rejection, Some(record.key()), grpc)))
+}
+
+/// The refusal of a key whose answer expired, with how long its tombstone still protects it
+/// when the layer says so.
+fn answer_expired<B>(
+    engine: &Engine,
+    record: &RecordKey,
+    (status, completed_ago): (http::StatusCode, Duration),
+    grpc: bool,
+) -> Response<ResponseBody<B>> {
+    let rejection = Rejection::AnswerExpired {
+        status,
+        completed_ago,
+    };
+    let mut answer = engine.respond(rejection, Some(record.key()), grpc);
+    if let Some(lasts) = engine.settings.protection() {
+        headers::protected_for(answer.headers_mut(), lasts.saturating_sub(completed_ago));
+    }
+    answer
 }

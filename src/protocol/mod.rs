@@ -366,7 +366,13 @@ async fn settle<B, E>(
         }
         return;
     }
-    if let Some((reply, answer)) = handled.answer {
+    if let Some((reply, mut answer)) = handled.answer {
+        if let (Finalized::Done, Completion::Complete, Ok(answer)) =
+            (finalized, completion, &mut answer)
+            && let Some(lasts) = engine.settings.protection()
+        {
+            crate::headers::protected_for(answer.headers_mut(), lasts);
+        }
         let _ = reply.send(answer);
     }
     if let Finalized::Failing = finalized {

@@ -219,3 +219,4 @@ mod duplicates;
 mod refusals;
 mod completion;
 mod leases;
+mod protection;
