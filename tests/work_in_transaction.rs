@@ -411,3 +411,99 @@ async fn a_unit_past_its_retention_is_refused_until_the_horizon() {
     assert_eq!(shipped(pool, "o-8").await, ["first", "after"]);
     schema.drop().await;
 }
+
+/// Scopes and keys with quotes and backslashes: a fresh key's `BEGIN` carries them as
+/// literals, and they are the key they say, in both paths.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scopes_and_keys_with_quotes_and_backslashes_are_the_keys_they_say() {
+    let (schema, store) = shipments_schema().await;
+    let once = Once::new(store.clone());
+    let (pool, runs) = (&schema.pool, AtomicUsize::new(0));
+    let runs = &runs;
+    let (scope, key) = (r"it's \' scope'); DROP TABLE shipments; --", r"o'9\");
+    let tricky = || Unit::new(scope, key, b"{}").unwrap();
+    let ship_as =
+        |by: &'static str| async move |tx: &mut PgConnection| ship(tx, "o-9", by, runs).await;
+    let first = once
+        .run_in_transaction(tricky(), pool, ship_as("first"))
+        .await
+        .unwrap();
+    let again = once
+        .run_in_transaction(tricky(), pool, ship_as("again"))
+        .await
+        .unwrap();
+    assert_eq!((first.replayed, again.replayed), (false, true));
+    let stored: (String, String) = sqlx::query_as("SELECT scope, key FROM idempotency_keys")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, (scope.to_owned(), key.to_owned()));
+    let info = store.inspect(tricky().record()).await.unwrap().unwrap();
+    assert_eq!(info.state, RecordState::Completed);
+    assert_eq!(shipped(pool, "o-9").await, ["first"]);
+    schema.drop().await;
+}
+
+/// A delivery dropped while its transaction is open (its consumer shut down mid-work) leaves
+/// nothing behind: its shipment rolls back, its connection is closed rather than handed back to
+/// the pool half-open, and the next delivery ships.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_dropped_mid_work_closes_its_connection_and_the_next_ships() {
+    let (schema, store) = shipments_schema().await;
+    let once = Once::new(store);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(schema.pool.connect_options().as_ref().clone())
+        .await
+        .unwrap();
+    let pid = Arc::new(std::sync::Mutex::new(None::<i32>));
+    let dropped = tokio::spawn({
+        let (once, pool, pid) = (once.clone(), pool.clone(), Arc::clone(&pid));
+        async move {
+            let work = async |tx: &mut PgConnection| {
+                ship(tx, "o-10", "dropped", &AtomicUsize::new(0)).await?;
+                let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                    .fetch_one(&mut *tx)
+                    .await?;
+                *pid.lock().unwrap() = Some(backend);
+                std::future::pending::<Result<String, sqlx::Error>>().await
+            };
+            once.run_in_transaction(unit("o-10", "{}"), &pool, work)
+                .await
+        }
+    });
+    let backend = loop {
+        if let Some(backend) = *pid.lock().unwrap() {
+            break backend;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    dropped.abort();
+    let _ = dropped.await;
+    let next = once
+        .run_in_transaction(unit("o-10", "{}"), &pool, async |tx: &mut PgConnection| {
+            ship(tx, "o-10", "next", &AtomicUsize::new(0)).await
+        })
+        .await
+        .unwrap();
+    assert!(!next.replayed);
+    assert_eq!(shipped(&schema.pool, "o-10").await, ["next"]);
+    let alive = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1";
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let count: i64 = sqlx::query_scalar(alive)
+            .bind(backend)
+            .fetch_one(&schema.pool)
+            .await
+            .unwrap();
+        if count == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the dropped delivery's connection is still open"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    schema.drop().await;
+}

@@ -232,11 +232,12 @@ where
     delivered
 }
 
-/// See [`deliver_in_transaction`]. Reads the key under its lock until it is free (another
-/// delivery holding it, in either mode, is waited for, polling, up to `wait`); runs the work
-/// once; writes the key's row with the outcome and commits. A row written meanwhile by an owner in the other mode
-/// (which the lock does not hold back) is read again: its outcome, or, when it was freed
-/// again, [`Delivered::Superseded`], since the work ran and was rolled back.
+/// See [`deliver_in_transaction`]. A fresh key begins in one round trip ([`fresh`]). Any other
+/// is read under its lock until it is free (another delivery holding it, in either mode, is
+/// waited for, polling, up to `wait`); the work runs once; the key's row is written with the
+/// outcome and committed. A row written meanwhile by an owner in the other mode (which the lock
+/// does not hold back) is read again: its outcome, or, when it was freed again,
+/// [`Delivered::Superseded`], since the work ran and was rolled back.
 #[cfg(feature = "postgres")]
 async fn in_transaction<F, E>(
     engine: &Engine,
@@ -253,6 +254,9 @@ where
     let deadline = Instant::now() + wait;
     let horizon = settings.store.tombstone_horizon();
     let mut work = Some(work);
+    if let Some(delivered) = fresh(engine, pool, unit, &mut work).await {
+        return delivered;
+    }
     loop {
         let mut tx = match pool.begin().await {
             Ok(tx) => tx,
@@ -278,24 +282,97 @@ where
         let Some(work) = work.take() else {
             return Delivered::Superseded;
         };
-        let started = Instant::now();
-        let outcome = match work(&mut tx).await {
-            Ok(outcome) => outcome,
-            Err(error) => return Delivered::Failed(error),
-        };
-        engine.telemetry.handler_took(started.elapsed());
-        let stored = StoredResponse::of_outcome(outcome.clone());
-        let retention = settings.retention;
-        match unit::complete(&mut tx, unit, replaced, &stored, retention).await {
-            Ok(true) => {}
-            Ok(false) => continue,
-            Err(error) => return Delivered::Store(error),
+        if let Some(delivered) = work_and_commit(engine, tx, unit, replaced, work).await {
+            return delivered;
         }
-        return match tx.commit().await {
-            Ok(()) => Delivered::Executed(outcome),
-            Err(error) => Delivered::Store(unit::backend(error)),
-        };
     }
+}
+
+/// Runs `work` in `tx`, writes the key's row with its outcome (a new row, or in place of the
+/// expired one whose fence is `replaced`) and commits: how the delivery ended, or `None` when
+/// another delivery's row is there instead (the transaction rolled back: read the key again).
+#[cfg(feature = "postgres")]
+async fn work_and_commit<F, E>(
+    engine: &Engine,
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    unit: (&RecordKey, &Fingerprint),
+    replaced: Option<i64>,
+    work: F,
+) -> Option<Delivered<E>>
+where
+    F: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
+{
+    use crate::store::unit;
+    let started = Instant::now();
+    let outcome = match work(&mut tx).await {
+        Ok(outcome) => outcome,
+        Err(error) => return Some(Delivered::Failed(error)),
+    };
+    engine.telemetry.handler_took(started.elapsed());
+    let stored = StoredResponse::of_outcome(outcome.clone());
+    let retention = engine.settings.retention;
+    match unit::complete(&mut tx, unit, replaced, &stored, retention).await {
+        Ok(true) => {}
+        Ok(false) => return None,
+        Err(error) => return Some(Delivered::Store(error)),
+    }
+    Some(match tx.commit().await {
+        Ok(()) => Delivered::Executed(outcome),
+        Err(error) => Delivered::Store(unit::backend(error)),
+    })
+}
+
+/// The fresh path of [`in_transaction`]: the key's lock taken, and the key found without a row,
+/// in the round trip of the transaction's `BEGIN`; then the work, the row and the commit. `None`
+/// when the key is not free (held, or a row of any kind), the work left for the path that reads
+/// the key; or when another delivery's row appeared by the insert (an owner in the other mode),
+/// the work spent and rolled back, and that path says what the key holds.
+#[cfg(feature = "postgres")]
+async fn fresh<F, E>(
+    engine: &Engine,
+    pool: &sqlx::PgPool,
+    unit: (&RecordKey, &Fingerprint),
+    work: &mut Option<F>,
+) -> Option<Delivered<E>>
+where
+    F: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
+{
+    use crate::store::unit;
+    let mut held = match unit::Held::acquire(pool).await {
+        Ok(held) => held,
+        Err(error) => return Some(Delivered::Store(error)),
+    };
+    match begin_and_run(engine, &mut held, unit, work).await {
+        Ok(delivered) => {
+            held.ended();
+            delivered
+        }
+        Err(error) => {
+            held.roll_back().await;
+            let free = !unit::not_free(&error);
+            free.then(|| Delivered::Store(unit::backend(error)))
+        }
+    }
+}
+
+/// See [`fresh`]: its transaction on `held`, or the error of its `BEGIN`.
+#[cfg(feature = "postgres")]
+async fn begin_and_run<F, E>(
+    engine: &Engine,
+    held: &mut crate::store::unit::Held,
+    unit: (&RecordKey, &Fingerprint),
+    work: &mut Option<F>,
+) -> Result<Option<Delivered<E>>, sqlx::Error>
+where
+    F: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
+{
+    use sqlx::Connection;
+    let begin = crate::store::unit::begin_when_free(unit.0, engine.settings.lease);
+    let tx = held.connection().begin_with(begin).await?;
+    let Some(work) = work.take() else {
+        return Ok(None);
+    };
+    Ok(work_and_commit(engine, tx, unit, None, work).await)
 }
 
 /// What a delivery gets from a key another delivery ran, or holds (in this mode, for up to

@@ -82,6 +82,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "tombstones",
         include_str!("../../../migrations/20261202000002_tombstones.sql"),
     ),
+    (
+        20261202000003,
+        "units begin when free",
+        include_str!("../../../migrations/20261202000003_units_begin_when_free.sql"),
+    ),
 ];
 
 /// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 4 ways:

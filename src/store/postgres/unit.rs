@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use sqlx::{PgConnection, Row};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row, pool::PoolConnection};
 
 pub(crate) use super::backend;
 use super::{STORE, millis, sql::*};
@@ -36,6 +36,72 @@ pub(crate) enum Seen {
     Orphaned,
     /// The key completed, and its outcome is past its retention: a tombstone.
     AnswerExpired,
+}
+
+/// A connection of the pool for one delivery, closed instead of returned when the delivery is
+/// dropped (or fails to roll back) before its transaction ended: the server then rolls the
+/// transaction back. A transaction begun in the round trip of its key's lock must never go back
+/// to the pool half-open, as a `BEGIN` cut short by a dropped future does in sqlx.
+pub(crate) struct Held {
+    connection: PoolConnection<Postgres>,
+    ended: bool,
+}
+
+impl Held {
+    /// A connection of `pool`.
+    pub(crate) async fn acquire(pool: &PgPool) -> Result<Self, StoreError> {
+        let connection = pool.acquire().await.map_err(backend)?;
+        Ok(Self {
+            connection,
+            ended: false,
+        })
+    }
+
+    /// The connection, to begin the transaction on.
+    pub(crate) fn connection(&mut self) -> &mut PgConnection {
+        &mut self.connection
+    }
+
+    /// Rolls back what a failed `BEGIN` left open.
+    pub(crate) async fn roll_back(&mut self) {
+        let rolled_back = sqlx::raw_sql("ROLLBACK")
+            .execute(&mut *self.connection)
+            .await;
+        self.ended = rolled_back.is_ok();
+    }
+
+    /// The transaction ended (committed, or its rollback queued by sqlx on the connection):
+    /// the connection may go back to the pool.
+    pub(crate) fn ended(&mut self) {
+        self.ended = true;
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.connection.close_on_drop();
+        }
+    }
+}
+
+/// The `BEGIN` of a unit whose key is free, in one round trip: the transaction, its pauses
+/// bounded by `lease`, and `record`'s lock, taken only if it is free and the key has no row.
+/// It fails with [`not_free`] otherwise. A simple query, so its arguments are literals.
+pub(crate) fn begin_when_free(record: &RecordKey, lease: Duration) -> AssertSqlSafe<String> {
+    // An escape string: the same whatever `standard_conforming_strings` says.
+    let literal = |text: &str| format!("E'{}'", text.replace('\\', "\\\\").replace('\'', "''"));
+    AssertSqlSafe(format!(
+        "BEGIN; SELECT idempotency_unit_begin_free({}, {}, {})",
+        literal(record.scope()),
+        literal(record.key().as_str()),
+        millis(lease)
+    ))
+}
+
+/// Whether a [`begin_when_free`] failed because the key is held or has a row.
+pub(crate) fn not_free(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("55P03"))
 }
 
 /// Takes `record`'s lock in the transaction on `connection` if it is free, bounds the
