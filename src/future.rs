@@ -97,10 +97,13 @@ impl<B, E> Guarded<B, E> {
     /// Hands the unfinished work to a task of its own.
     fn detach(&mut self) {
         if let Some(work) = self.work.take() {
+            let work = AssertUnwindSafe(work).catch_unwind().map(drop);
+            let work = work.instrument(self.span.clone());
+            if let Some(spawn) = &self.engine.settings.spawner {
+                spawn(Box::pin(work));
             // Without a runtime (it is shutting down) nothing could run it anyway.
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let work = AssertUnwindSafe(work).catch_unwind().map(drop);
-                runtime.spawn(work.instrument(self.span.clone()));
+            } else if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(work);
             }
         }
     }

@@ -11,7 +11,7 @@ use crate::{
     problem::Problem,
     protocol::{Engine, State},
     settings::Settings,
-    store::{RecordKey, Store},
+    store::{BoxFuture, RecordKey, Store},
     telemetry::{Counters, Family, Telemetry},
 };
 
@@ -357,6 +357,45 @@ impl IdempotencyLayer {
     /// ```
     pub fn with_protected_until_header(mut self, send: bool) -> Self {
         self.settings.protected_until_header = send;
+        self
+    }
+}
+
+/// # Tasks: where the layer's own run
+impl IdempotencyLayer {
+    /// Runs the layer's own tasks (lease renewals, and a request's work once its caller has
+    /// gone) through `spawn` instead of where they run by default: renewals on a thread of
+    /// their own with a runtime of its own, so that a handler blocking the application's
+    /// runtime never stops them, and a caller's work on the runtime it was called on.
+    ///
+    /// For a runtime you control the clock of: a test with paused time
+    /// (`#[tokio::test(start_paused = true)]`, where leases run out in its time, not the
+    /// wall's), or a simulation that blocks, crashes and restarts instances deterministically.
+    /// Renewals then stop while that runtime is blocked. The layer still never acts on a grant
+    /// that lapsed meanwhile, but a handler that blocks its runtime for longer than the lease
+    /// loses its key; in production, keep the default.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_spawner(tokio::spawn);
+    /// ```
+    pub fn with_spawner(
+        mut self,
+        spawn: impl Fn(BoxFuture<'static, ()>) -> tokio::task::JoinHandle<()> + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.spawner = Some(Arc::new(spawn));
+        self.state = Arc::default();
+        self
+    }
+
+    /// Makes the layer's randomness a function of `seed`: its owner tokens (the seed and a
+    /// counter of the layer's own, instead of random bits drawn once per process) and so the
+    /// jitter of its duplicates' polls. For a test or a simulation that must replay exactly
+    /// from a seed. Owner tokens must be unique across every process sharing a store: give
+    /// each instance a seed of its own, and never set one in production.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.settings.seed = Some(seed);
         self
     }
 }

@@ -38,6 +38,10 @@ pub(crate) type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 pub(crate) type RecoveryFn =
     dyn Fn(RecordKey) -> BoxFuture<'static, Option<http::Response<Bytes>>> + Send + Sync;
 
+/// The spawner of [`IdempotencyLayer::with_spawner`](crate::IdempotencyLayer::with_spawner).
+pub(crate) type SpawnFn =
+    dyn Fn(BoxFuture<'static, ()>) -> tokio::task::JoinHandle<()> + Send + Sync;
+
 /// Everything a layer was configured with, grouped as its builder documents it.
 #[derive(Clone)]
 pub(crate) struct Settings {
@@ -67,6 +71,9 @@ pub(crate) struct Settings {
     pub(crate) protected_until_header: bool,
     // Observability.
     pub(crate) keys_in_clear: bool,
+    // Tasks and randomness.
+    pub(crate) spawner: Option<Arc<SpawnFn>>,
+    pub(crate) seed: Option<u64>,
 }
 
 impl Settings {
@@ -93,6 +100,8 @@ impl Settings {
             recovery: None,
             protected_until_header: false,
             keys_in_clear: false,
+            spawner: None,
+            seed: None,
         }
     }
 

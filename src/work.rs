@@ -63,7 +63,7 @@ use crate::{
     Fingerprint, IdempotencyClaim, IdempotencyKey, KeyError,
     protocol::{Delivered, Engine, State, deliver},
     settings::Settings,
-    store::{RecordKey, Store, StoreError},
+    store::{BoxFuture, RecordKey, Store, StoreError},
     telemetry::{Counters, Family, Telemetry},
 };
 
@@ -206,6 +206,24 @@ impl Once {
     /// How long a delivery that finds its key in flight waits for the other one.
     pub fn with_wait(self, wait: Duration) -> Self {
         self.change(|s| s.wait = wait)
+    }
+
+    /// Runs the renewals of units' leases through `spawn`, as
+    /// [`IdempotencyLayer::with_spawner`](crate::IdempotencyLayer::with_spawner) does for
+    /// requests: for a runtime whose clock you control (paused time, a simulation).
+    pub fn with_spawner(
+        self,
+        spawn: impl Fn(BoxFuture<'static, ()>) -> tokio::task::JoinHandle<()> + Send + Sync + 'static,
+    ) -> Self {
+        let spawn: Arc<crate::settings::SpawnFn> = Arc::new(spawn);
+        self.change(move |s| s.spawner = Some(spawn))
+    }
+
+    /// Makes the units' owner tokens a function of `seed`, as
+    /// [`IdempotencyLayer::with_seed`](crate::IdempotencyLayer::with_seed) does for requests:
+    /// for a run that must replay exactly. Never in production.
+    pub fn with_seed(self, seed: u64) -> Self {
+        self.change(|s| s.seed = Some(seed))
     }
 
     /// Rebuilds the outcome of a unit whose work committed through the fence

@@ -28,13 +28,13 @@ pub(super) struct Grant {
     pub(super) fence: u64,
     /// When the claim that was granted was sent: its lease runs from no earlier than that,
     /// however late this process saw the answer.
-    pub(super) sent: std::time::Instant,
+    pub(super) sent: Instant,
 }
 
 /// What one claim call answered, and when it was sent.
 pub(super) struct Claimed {
     pub(super) outcome: Result<ClaimOutcome, StoreError>,
-    pub(super) sent: std::time::Instant,
+    pub(super) sent: Instant,
 }
 
 /// Claims the key, waiting (up to `wait`) while another request holds it: the fence of an
@@ -68,7 +68,7 @@ pub(super) async fn claim_or_answer<B, E>(
 /// it rebuilds one.
 pub(super) async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Claimed {
     let store = &engine.settings.store;
-    let sent = std::time::Instant::now();
+    let sent = Instant::now();
     let outcome = engine
         .telemetry
         .timed(Operation::Claim, store.claim(claim))

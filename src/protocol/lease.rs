@@ -96,10 +96,14 @@ impl Keeper {
     /// Starts renewing `lease`, granted by a claim sent at `sent`, every third of the layer's
     /// lease length. A grant this process saw late (its runtime was busy or blocked when the
     /// answer came) is renewed at once, from the renewal thread.
-    pub(crate) fn start(engine: Arc<Engine>, lease: Lease, sent: std::time::Instant) -> Self {
+    pub(crate) fn start(engine: Arc<Engine>, lease: Lease, sent: Instant) -> Self {
         let length = engine.settings.lease;
         let overdue = sent.elapsed() >= period(length);
-        let due = Instant::from_std(sent) + period(length);
+        // The defect this check fixed, put back on purpose for the simulation to find
+        // (`tests/simulation`); never built otherwise.
+        #[cfg(simulate_defect_lapsed_grants)]
+        let overdue = overdue && false;
+        let due = sent + period(length);
         let generation = GENERATION.fetch_add(1, Relaxed);
         let held = Held {
             lease: lease.clone(),
@@ -127,13 +131,13 @@ impl Keeper {
             };
             let running = state.keeper.as_ref().is_some_and(|k| !k.is_finished());
             if !running {
-                state.keeper = Some(renewer().spawn(keep(Arc::clone(&engine))));
+                state.keeper = Some(engine.spawn_renewal(keep(Arc::clone(&engine))));
             }
             slot
         };
         if overdue {
             let renewal = renew(Arc::clone(&engine), slot, generation, lease, length);
-            renewer().spawn(renewal);
+            engine.spawn_renewal(renewal);
         }
         crate::telemetry::claims_held(1.0);
         Self {
@@ -227,6 +231,16 @@ impl Leases {
     }
 }
 
+impl Engine {
+    /// Runs a renewal task: on the layer's spawner if it was given one, else on [`renewer`].
+    fn spawn_renewal(&self, task: impl Future<Output = ()> + Send + 'static) -> JoinHandle<()> {
+        match &self.settings.spawner {
+            Some(spawn) => spawn(Box::pin(task)),
+            None => renewer().spawn(task),
+        }
+    }
+}
+
 /// The runtime renewals run on: a thread of the process's own, with a current-thread runtime,
 /// so that handlers that block every worker of the application's runtime (or its only one)
 /// never stop their own renewals. Renewals use the store's detached twin
@@ -309,7 +323,7 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
             .is_some_and(|h| h.generation == generation)
     };
     let next = loop {
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let renewed = engine.renewal_store().renew(&lease, length);
         match engine.telemetry.timed(Operation::Renew, renewed).await {
             Ok(Ownership::Held) => confirm(&engine, slot, generation),
@@ -329,7 +343,7 @@ async fn renew(engine: Arc<Engine>, slot: usize, generation: u64, lease: Lease, 
                 );
             }
         }
-        let due = Instant::from_std(started) + period(length);
+        let due = started + period(length);
         // A renewal that took a period or more is followed at once, by this task: the keeper
         // looks again only a period after it handed this one out.
         if Instant::now() < due || !still_held(&engine) {

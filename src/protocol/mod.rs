@@ -75,6 +75,8 @@ pub(crate) struct State {
     warned_inner_timeout: AtomicBool,
     /// The store renewals go through: the store's detached twin, made with the first lease.
     renewals: std::sync::OnceLock<Arc<dyn Store>>,
+    /// Owner tokens drawn, for a layer with a seed.
+    tokens: AtomicU64,
 }
 
 impl std::fmt::Debug for State {
@@ -211,7 +213,12 @@ where
             return None;
         }
     };
-    let mut claim = ClaimRequest::shared(record, fingerprint, owner_token(), engine.settings.lease);
+    let mut claim = ClaimRequest::shared(
+        record,
+        fingerprint,
+        engine.owner_token(),
+        engine.settings.lease,
+    );
     let (headers, mut lapses) = (&parts.headers, 0);
     let wait = Wait::of(&engine.settings, headers);
     let answer = loop {
@@ -292,7 +299,7 @@ async fn hold_grant(
                 tracing::error!(lapses, "every grant lapsed before it could be acted on");
                 return Kept::Refused;
             }
-            *claim = claim.reowned(owner_token());
+            *claim = claim.reowned(engine.owner_token());
             Kept::Again
         }
         Standing::Unconfirmed => {
@@ -391,7 +398,12 @@ async fn answer_superseded<B, E>(engine: &Engine, attempt: &Attempt<'_>, mut rep
     tracing::info!("another attempt took the key over: answering with the key's outcome");
     let settings = &engine.settings;
     let (record, fingerprint) = (attempt.claim.record(), *attempt.claim.fingerprint());
-    let again = ClaimRequest::new(record.clone(), fingerprint, owner_token(), settings.lease);
+    let again = ClaimRequest::new(
+        record.clone(),
+        fingerprint,
+        engine.owner_token(),
+        settings.lease,
+    );
     let wait = Wait::of(settings, attempt.headers);
     let grpc = attempt.grpc;
     let claimed = claim::claim_or_answer(
@@ -424,12 +436,18 @@ async fn answer_superseded<B, E>(engine: &Engine, attempt: &Attempt<'_>, mut rep
     let _ = reply.send(Ok(answer));
 }
 
-/// A fresh owner token, unique across the fleet without a system call per request: 64 random
-/// bits drawn once per process, and a counter.
-fn owner_token() -> Uuid {
-    static PROCESS: LazyLock<u64> = LazyLock::new(|| Uuid::new_v4().as_u64_pair().0);
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    Uuid::from_u64_pair(*PROCESS, COUNTER.fetch_add(1, Relaxed))
+impl Engine {
+    /// A fresh owner token, unique across the fleet without a system call per request: 64
+    /// random bits drawn once per process, and a counter; or, for a layer with a seed, the seed
+    /// and a counter of the layer's own.
+    pub(crate) fn owner_token(&self) -> Uuid {
+        static PROCESS: LazyLock<u64> = LazyLock::new(|| Uuid::new_v4().as_u64_pair().0);
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        match self.settings.seed {
+            Some(seed) => Uuid::from_u64_pair(seed, self.state.tokens.fetch_add(1, Relaxed)),
+            None => Uuid::from_u64_pair(*PROCESS, COUNTER.fetch_add(1, Relaxed)),
+        }
+    }
 }
 
 /// How long a duplicate may wait for the first request with its key, and whether that is the

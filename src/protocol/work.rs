@@ -12,7 +12,6 @@ use super::{
     claim::{Grant, claim_once, while_in_flight},
     hold_grant,
     lease::{self, Finalized, Keeper},
-    owner_token,
 };
 use crate::{
     Completion, Fingerprint, IdempotencyClaim, StoredResponse,
@@ -79,7 +78,8 @@ where
 {
     let delivered = async {
         let settings = &engine.settings;
-        let mut claim = ClaimRequest::new(record, fingerprint, owner_token(), settings.lease);
+        let mut claim =
+            ClaimRequest::new(record, fingerprint, engine.owner_token(), settings.lease);
         let (lease, keeper) = match held(engine, &mut claim, wait).await {
             Ok(held) => held,
             Err(delivered) => return delivered,
@@ -149,7 +149,7 @@ async fn held<E>(
 /// which was not stored.
 async fn superseded<E>(engine: &Engine, claim: &ClaimRequest, wait: Duration) -> Delivered<E> {
     tracing::info!("another delivery took the unit over: answering with the key's outcome");
-    let again = claim.reowned(owner_token());
+    let again = claim.reowned(engine.owner_token());
     match claimed(engine, &again, wait).await {
         Err(delivered) => delivered,
         // The key is free again (released, or swept): give it back; nothing is the key's.
