@@ -1,6 +1,13 @@
 //! The client layer: how a caller configures its retries.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+    time::Duration,
+};
 
 use http::{HeaderName, Method};
 use tower::retry::budget::{Budget, TpsBudget};
@@ -54,6 +61,9 @@ pub(crate) struct ClientSettings {
     pub(crate) budget: Arc<dyn Budget + Send + Sync>,
     pub(crate) protection: Option<Duration>,
     pub(crate) learned: Arc<Learned>,
+    pub(crate) seed: Option<u64>,
+    /// UUIDs drawn from the seed.
+    pub(crate) drawn: Arc<AtomicU64>,
 }
 
 impl ClientSettings {
@@ -61,6 +71,15 @@ impl ClientSettings {
     /// answers said last, else what the layer was told.
     pub(crate) fn protection(&self, uri: &http::Uri) -> Option<Duration> {
         self.learned.of(uri).or(self.protection)
+    }
+
+    /// A fresh UUID (a call's key, the seed of its jitter): random, or for a layer with a seed,
+    /// the seed and a counter.
+    pub(crate) fn uuid(&self) -> uuid::Uuid {
+        match self.seed {
+            Some(seed) => uuid::Uuid::from_u64_pair(seed, self.drawn.fetch_add(1, Relaxed)),
+            None => uuid::Uuid::new_v4(),
+        }
     }
 }
 
@@ -92,6 +111,8 @@ impl IdempotencyClientLayer {
             budget: Arc::new(TpsBudget::default()),
             protection: None,
             learned: Arc::default(),
+            seed: None,
+            drawn: Arc::default(),
         };
         Self {
             settings: Arc::new(settings),
@@ -190,6 +211,16 @@ impl IdempotencyClientLayer {
     /// ```
     pub fn with_key_protection(self, protection: Duration) -> Self {
         self.set(|s| s.protection = Some(protection))
+    }
+}
+
+/// # Randomness
+impl IdempotencyClientLayer {
+    /// Makes the client's randomness a function of `seed`: the keys it mints and the jitter of
+    /// its pauses. For a test or a simulation that must replay exactly; keys minted from a seed
+    /// are unique only among this layer's calls, so never set one in production.
+    pub fn with_seed(self, seed: u64) -> Self {
+        self.set(|s| s.seed = Some(seed))
     }
 }
 

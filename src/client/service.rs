@@ -166,7 +166,7 @@ fn ensure_key(settings: &ClientSettings, parts: &mut Parts) -> String {
     {
         return key.to_owned();
     }
-    let key = uuid::Uuid::new_v4().to_string();
+    let key = settings.uuid().to_string();
     let value = HeaderValue::from_str(&key).expect("a UUID is a valid header value");
     parts.headers.insert(settings.key_header.clone(), value);
     key
@@ -203,7 +203,10 @@ impl<'a> Retrying<'a> {
             head,
             body,
             deadline: Instant::now() + settings.deadline,
-            random: uuid::Uuid::new_v4().as_u64_pair().0 | 1,
+            random: {
+                let (high, low) = settings.uuid().as_u64_pair();
+                (high ^ low.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1
+            },
             started,
             ended: None,
         }

@@ -17,7 +17,7 @@ use axum::{
     Router,
     body::Body,
     extract::State,
-    http::{Request, StatusCode},
+    http::{Request, Response, StatusCode},
     routing::post,
 };
 use bytes::Bytes;
@@ -135,23 +135,17 @@ impl Host {
         Arc::clone(&self.process.lock().unwrap())
     }
 
-    /// Sends `request` to this host: its answer (status, whether replayed, whether it says
-    /// when to retry, body), or `None` when the host is down or died before answering.
-    pub async fn call(&self, request: Request<Body>) -> Option<Answered> {
+    /// Sends `request` to this host: its answer, or `None` when the host is down or died
+    /// before answering.
+    pub async fn call(&self, request: Request<Body>) -> Option<Response<Bytes>> {
         let process = self.process();
         let router = process.router.lock().unwrap().clone()?;
         let (answer, answered) = tokio::sync::oneshot::channel();
         let serve = async move {
             let Ok(response) = router.oneshot(request).await;
-            let answered = Answered {
-                status: response.status(),
-                replayed: response.headers().contains_key("idempotent-replayed"),
-                retry_after: response.headers().contains_key("retry-after"),
-                body: Bytes::new(),
-            };
-            if let Ok(body) = response.into_body().collect().await {
-                let body = body.to_bytes();
-                let _ = answer.send(Answered { body, ..answered });
+            let (parts, body) = response.into_parts();
+            if let Ok(body) = body.collect().await {
+                let _ = answer.send(Response::from_parts(parts, body.to_bytes()));
             }
         };
         process.spawn(Box::pin(serve));
@@ -205,14 +199,6 @@ impl Host {
         tokio::time::sleep(length).await;
         self.partitioned.store(false, SeqCst);
     }
-}
-
-/// A host's answer to a request.
-pub struct Answered {
-    pub status: StatusCode,
-    pub replayed: bool,
-    pub retry_after: bool,
-    pub body: Bytes,
 }
 
 /// A new process on `wire`: a layer of its own (its state, its renewals) in front of the

@@ -1,18 +1,22 @@
-//! A deterministic simulation of a fleet running the crate's own layer: several hosts, each its
-//! own layer, state and renewals, in front of a handler that commits a payment through the
-//! fence; the store's authority reached over a wire per host; clients that send each key's
-//! request, duplicates included, and retry until they have an answer. Faults come from the
-//! seed: calls delayed and lost both ways, hosts partitioned from the store, runtimes blocked
-//! past the lease, processes crashed and restarted. Time is tokio's, paused: a 3 s lease costs
-//! nothing to wait out, and a run is the same run every time for the same seed.
+//! A deterministic simulation of a fleet running the crate's own code:
+//! - hosts, each its own layer, `Once`, state and renewals, in front of a handler that commits
+//!   a payment through the fence, reaching the store's authority over a wire of their own;
+//! - callers that send each key's request, duplicates included, and retry until they have an
+//!   answer (half of them through the crate's client layer), and brokers that deliver units of
+//!   work to the hosts' consumers until one acknowledges them;
+//! - faults from the seed: calls delayed and lost both ways, hosts partitioned from the store,
+//!   runtimes blocked past the lease, processes crashed and restarted.
 //!
-//! After every seed, the failure matrix's promises, counted where they happen:
+//! Time is tokio's, paused: a 3 s lease costs nothing to wait out, and a run is the same run
+//! every time for the same seed. After every seed, the failure matrix's promises, counted where
+//! they happen:
 //! - at most one payment committed through the fence per key (counted at the authority);
-//! - every answer a client took as final is the key's stored answer;
-//! - the stored answer of a key that committed names that payment;
-//! - once every host has recovered, no key is left in flight, and every client has its answer.
+//! - no handler or unit of work starts on a claim its host no longer holds;
+//! - every final answer, and every value a consumer got, is the key's stored one and names the
+//!   payment committed;
+//! - once every host has recovered, no key is left in flight, and every caller has its answer.
 //!
-//! `SIM_SEEDS` (default 300) and `SIM_SEED_START` (0) choose the seeds; a failing seed prints
+//! `SIM_SEEDS` (default 2000) and `SIM_SEED_START` (0) choose the seeds; a failing seed prints
 //! the command that replays it.
 
 mod fleet;
@@ -25,9 +29,14 @@ use std::{
 };
 
 use axum::{body::Body, http::Request};
+use bytes::Bytes;
 use fleet::Host;
+use http_body_util::{BodyExt, Full};
 use model::{Answer, Authority, Call};
-use tower_idempotency::{IdempotencyKey, store::RecordKey};
+use tower_idempotency::{
+    IdempotencyKey,
+    store::{BoxError, BoxFuture, RecordKey},
+};
 
 /// The lease every host's layer runs with.
 const LEASE: Duration = Duration::from_secs(3);
@@ -129,6 +138,17 @@ impl World {
         answer
     }
 
+    /// A caller's final answer.
+    fn answered(&self, key: String, status: http::StatusCode, body: &Bytes, via: &str) {
+        let body = String::from_utf8_lossy(body).into_owned();
+        let status = status.as_u16();
+        let at = self.elapsed();
+        let mut seen = self.seen();
+        seen.trace
+            .push(format!("{at:?} {key} {status} {body}{via}"));
+        seen.answers.push((key, status, body));
+    }
+
     pub fn unfenced(&self, key: &str) {
         *self.seen().unfenced.entry(key.to_owned()).or_default() += 1;
     }
@@ -165,25 +185,95 @@ async fn client(world: World, hosts: Arc<Vec<Arc<Host>>>, key: String) {
         world.seen().requests += 1;
         let answer = host.call(request).await;
         let pause = Duration::from_millis(100 + world.rng().below(900));
-        // Final: a replay, and anything but a 503 or a 409 that says when to come back.
         match answer {
-            Some(answer)
-                if answer.replayed
-                    || !matches!(answer.status.as_u16(), 409 | 503)
-                    || (answer.status == 409 && !answer.retry_after) =>
-            {
-                let body = String::from_utf8_lossy(&answer.body).into_owned();
-                let status = answer.status.as_u16();
-                let mut seen = world.seen();
-                let at = world.elapsed();
-                seen.trace.push(format!("{at:?} {key} {status} {body}"));
-                seen.answers.push((key, status, body));
-                return;
+            Some(answer) if is_final(&answer) => {
+                return world.answered(key, answer.status(), &answer.into_body(), "");
             }
             _ => tokio::time::sleep(pause).await,
         }
     }
     world.seen().unanswered.push(key);
+}
+
+/// Whether an answer is final to a caller: a replay, and anything but a 503 or a 409 that says
+/// when to come back.
+fn is_final<B>(answer: &http::Response<B>) -> bool {
+    let headers = answer.headers();
+    headers.contains_key("idempotent-replayed")
+        || !matches!(answer.status().as_u16(), 409 | 503)
+        || (answer.status() == 409 && !headers.contains_key("retry-after"))
+}
+
+/// A caller of `key` through the crate's client layer, in front of the fleet's balancer: the
+/// client's retries, and the caller's own when the client gives up (a call resumed later with
+/// the same key), until a final answer.
+async fn caller(world: World, hosts: Arc<Vec<Arc<Host>>>, key: String) {
+    use tower::{ServiceBuilder, ServiceExt, retry::budget::TpsBudget};
+    use tower_idempotency::client::IdempotencyClientLayer;
+    let start = Duration::from_millis(world.rng().below(CHAOS.as_millis() as u64));
+    tokio::time::sleep(start).await;
+    let budget = Arc::new(TpsBudget::new(Duration::from_secs(10), 1000, 10.0));
+    let layer = IdempotencyClientLayer::new()
+        .with_seed(world.rng().draw())
+        .with_budget(budget);
+    let balancer = Balancer {
+        world: world.clone(),
+        hosts,
+    };
+    let client = ServiceBuilder::new().layer(layer).service(balancer);
+    for _ in 0..40 {
+        let request = Request::post("http://fleet/pay")
+            .header("idempotency-key", &key)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(br#"{"amount_cents":4900}"#)))
+            .unwrap();
+        let answer = client.clone().oneshot(request).await;
+        let pause = Duration::from_millis(100 + world.rng().below(900));
+        match answer {
+            Ok(answer) if is_final(&answer) => {
+                let status = answer.status();
+                let body = answer.into_body().collect().await.map(|b| b.to_bytes());
+                return world.answered(key, status, &body.unwrap_or_default(), " (client)");
+            }
+            _ => tokio::time::sleep(pause).await,
+        }
+    }
+    world.seen().unanswered.push(key);
+}
+
+/// The fleet behind a load balancer, as the client layer's inner service: each attempt goes to
+/// a host at random; a host down, or dying before it answers, is a lost connection.
+#[derive(Clone)]
+struct Balancer {
+    world: World,
+    hosts: Arc<Vec<Arc<Host>>>,
+}
+
+impl<B> tower::Service<Request<B>> for Balancer
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = http::Response<Full<Bytes>>;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, Result<Self::Response, BoxError>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let host = Arc::clone(&self.hosts[self.world.rng().below(HOSTS as u64) as usize]);
+        self.world.seen().requests += 1;
+        Box::pin(async move {
+            let answer = host.call(request.map(Body::new)).await;
+            let answer = answer.ok_or("the connection was lost before an answer")?;
+            Ok(answer.map(Full::new))
+        })
+    }
 }
 
 /// A broker delivering unit `key` to the hosts' consumers at random, redelivering until one
@@ -267,13 +357,19 @@ async fn scenario(seed: u64, authority: Authority) -> Report {
     let keys: Vec<String> = (0..KEYS).map(|k| format!("k{seed}-{k}")).collect();
     let units: Vec<String> = (0..KEYS).map(|k| format!("u{seed}-{k}")).collect();
     for key in &keys {
-        for _ in 0..1 + world.rng().below(3) {
-            let client = client(world.clone(), Arc::clone(&hosts), key.clone());
-            clients.push(tokio::spawn(client));
+        let callers = 1 + world.rng().below(3);
+        for _ in 0..callers {
+            let (world, hosts, key) = (world.clone(), Arc::clone(&hosts), key.clone());
+            if world.rng().chance(0.5) {
+                clients.push(tokio::spawn(caller(world, hosts, key)));
+            } else {
+                clients.push(tokio::spawn(client(world, hosts, key)));
+            }
         }
     }
     for key in &units {
-        for _ in 0..1 + world.rng().below(2) {
+        let deliveries = 1 + world.rng().below(2);
+        for _ in 0..deliveries {
             let broker = broker(world.clone(), Arc::clone(&hosts), key.clone());
             clients.push(tokio::spawn(broker));
         }
