@@ -94,14 +94,15 @@ impl<B, E> Guarded<B, E> {
             .respond(Rejection::HandlerFailed, key, self.grpc)
     }
 
-    /// Hands the unfinished work to a task of its own.
+    /// Hands the unfinished work to a task of its own: through the layer's spawner if it has
+    /// one, else on the current runtime (without one, it is shutting down, and nothing could
+    /// run the work anyway).
     fn detach(&mut self) {
         if let Some(work) = self.work.take() {
             let work = AssertUnwindSafe(work).catch_unwind().map(drop);
             let work = work.instrument(self.span.clone());
             if let Some(spawn) = &self.engine.settings.spawner {
                 spawn(Box::pin(work));
-            // Without a runtime (it is shutting down) nothing could run it anyway.
             } else if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 runtime.spawn(work);
             }

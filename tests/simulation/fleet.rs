@@ -31,7 +31,7 @@ use tower_idempotency::{
 };
 
 use super::{
-    LEASE, Rng, SCOPE, UNITS, World,
+    LEASE, Rng, SCOPE, SLOTS, UNITS, World,
     model::{Answer, Call},
 };
 
@@ -135,9 +135,27 @@ impl Host {
         Arc::clone(&self.process.lock().unwrap())
     }
 
-    /// Sends `request` to this host: its answer, or `None` when the host is down or died
-    /// before answering.
+    /// Sends `request` to this host over the caller's network (delayed both ways; an answer
+    /// now and then lost after the host sent it): its answer, or `None` when the host is down,
+    /// died before answering, or the answer was lost.
     pub async fn call(&self, request: Request<Body>) -> Option<Response<Bytes>> {
+        let (out, back, lost) = {
+            let mut rng = self.world.rng();
+            let delay = |rng: &mut Rng| Duration::from_micros(rng.below(10_000));
+            (delay(&mut rng), delay(&mut rng), rng.chance(0.03))
+        };
+        tokio::time::sleep(out).await;
+        let answer = self.serve(request).await?;
+        tokio::time::sleep(back).await;
+        if lost {
+            self.world.fault();
+            return None;
+        }
+        Some(answer)
+    }
+
+    /// `request` served by the host's current process.
+    async fn serve(&self, request: Request<Body>) -> Option<Response<Bytes>> {
         let process = self.process();
         let router = process.router.lock().unwrap().clone()?;
         let (answer, answered) = tokio::sync::oneshot::channel();
@@ -225,6 +243,7 @@ fn boot(wire: Wire) -> Arc<Process> {
             let process = Arc::clone(&process);
             move |task| process.spawn(task)
         });
+    process.spawn(Box::pin(schedule(wire.clone(), once.clone())));
     *process.once.lock().unwrap() = Some(once);
     let layer = IdempotencyLayer::new(wire.clone())
         .with_seed(seed)
@@ -326,6 +345,26 @@ impl Store for Wire {
 
     fn kind(&self) -> &'static str {
         "simulated"
+    }
+}
+
+/// The process's scheduler: every second, `run_slot` for the current slot (a new one every ten
+/// seconds of the chaos), as every instance of a scheduled job calls it.
+async fn schedule(wire: Wire, once: Once) {
+    let start = tokio::time::Instant::now() - wire.world.elapsed();
+    loop {
+        let slot = (tokio::time::Instant::now() - start).as_secs() / 10;
+        if slot >= SLOTS {
+            return;
+        }
+        let key = format!("{}{slot}", wire.world.slot_prefix());
+        let job = |claim| {
+            let wire = wire.clone();
+            async move { work(wire, claim).await.map(drop) }
+        };
+        wire.world.seen().requests += 1;
+        let _ = once.run_slot(&key, job).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 

@@ -2,15 +2,18 @@
 //! - hosts, each its own layer, `Once`, state and renewals, in front of a handler that commits
 //!   a payment through the fence, reaching the store's authority over a wire of their own;
 //! - callers that send each key's request, duplicates included, and retry until they have an
-//!   answer (half of them through the crate's client layer), and brokers that deliver units of
-//!   work to the hosts' consumers until one acknowledges them;
-//! - faults from the seed: calls delayed and lost both ways, hosts partitioned from the store,
-//!   runtimes blocked past the lease, processes crashed and restarted.
+//!   answer (half of them through the crate's client layer), brokers that deliver units of
+//!   work to the hosts' consumers until one acknowledges them, and on every host a scheduler
+//!   calling `run_slot` for the current slot;
+//! - faults from the seed: store calls and answers delayed and lost both ways, callers'
+//!   answers lost, hosts partitioned from the store, runtimes blocked past the lease, processes
+//!   crashed and restarted.
 //!
 //! Time is tokio's, paused: a 3 s lease costs nothing to wait out, and a run is the same run
 //! every time for the same seed. After every seed, the failure matrix's promises, counted where
 //! they happen:
-//! - at most one payment committed through the fence per key (counted at the authority);
+//! - at most one payment committed through the fence per key, unit and slot (counted at the
+//!   authority);
 //! - no handler or unit of work starts on a claim its host no longer holds;
 //! - every final answer, and every value a consumer got, is the key's stored one and names the
 //!   payment committed;
@@ -44,6 +47,9 @@ const LEASE: Duration = Duration::from_secs(3);
 const SCOPE: &str = "sim";
 /// The scope of every unit of work's key.
 const UNITS: &str = "units";
+/// Scheduled slots per seed, ten seconds each, every host calling `run_slot` for the current
+/// one every second.
+const SLOTS: u64 = 6;
 /// Hosts in the fleet.
 const HOSTS: usize = 3;
 /// Keys per seed, each with one to three clients sending its request.
@@ -81,6 +87,7 @@ pub struct World {
     inner: Arc<Mutex<Seen>>,
     rng: Arc<Mutex<Rng>>,
     start: tokio::time::Instant,
+    seed: u64,
 }
 
 #[derive(Default)]
@@ -108,7 +115,13 @@ impl World {
             inner: Arc::default(),
             rng: Arc::new(Mutex::new(Rng(seed))),
             start: tokio::time::Instant::now(),
+            seed,
         }
+    }
+
+    /// The keys of this seed's scheduled slots start with this.
+    pub fn slot_prefix(&self) -> String {
+        format!("s{}-", self.seed)
     }
 
     /// Simulated time since the seed's start.
@@ -381,12 +394,17 @@ async fn scenario(seed: u64, authority: Authority) -> Report {
     faults.await.unwrap();
     // Every host recovered: whatever is left in flight must settle within a few leases.
     tokio::time::sleep(LEASE * 4).await;
-    let broken = check(&world, &keys).or_else(|| check_units(&world, &units));
+    let slots: Vec<String> = (0..SLOTS)
+        .map(|n| format!("{}{n}", world.slot_prefix()))
+        .collect();
+    let broken = check(&world, &keys)
+        .or_else(|| check_units(&world, &units))
+        .or_else(|| check_slots(&world, &slots));
     let seen = world.seen();
     Report {
         requests: seen.requests,
         faults: seen.faults,
-        keys: keys.len() + units.len(),
+        keys: keys.len() + units.len() + slots.len(),
         trace: seen.trace.clone(),
         broken,
     }
@@ -471,6 +489,27 @@ fn check_units(world: &World, units: &[String]) -> Option<String> {
     None
 }
 
+/// The first promise the run broke about scheduled slots, if any: at most one payment each,
+/// and none left in flight.
+fn check_slots(world: &World, slots: &[String]) -> Option<String> {
+    let seen = world.seen();
+    for slot in slots {
+        let committed = seen.committed.get(slot).map_or(&[][..], Vec::as_slice);
+        if committed.len() > 1 {
+            return Some(format!(
+                "{slot}: {} runs committed: {committed:?}",
+                committed.len()
+            ));
+        }
+        if world.authority.in_flight(&record("schedule", slot)) {
+            return Some(format!(
+                "{slot}: still in flight after every host recovered"
+            ));
+        }
+    }
+    None
+}
+
 fn seeds() -> std::ops::Range<u64> {
     let number =
         |name, default| std::env::var(name).map_or(default, |v: String| v.parse().unwrap());
@@ -498,8 +537,8 @@ fn a_fleet_under_faults_keeps_every_promise() {
         );
     }
     let report = format!(
-        "simulation: seeds {}..{}, {keys} keys, {requests} deliveries (requests and units), \
-         {faults} faults, every promise kept\n",
+        "simulation: seeds {}..{}, {keys} keys, {requests} deliveries (requests, units, slot \
+         runs), {faults} faults, every promise kept\n",
         seeds.start, seeds.end
     );
     eprint!("{report}");
