@@ -189,21 +189,29 @@ struct Called {
     outcome: ClientOutcome,
 }
 
+/// A payment request to `url`'s `/payments`, with `key` when given.
+fn payment(url: &str, key: Option<&str>, body: &str) -> http::Request<Full<Bytes>> {
+    let mut request =
+        http::Request::post(format!("{url}/payments")).header("content-type", "application/json");
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    request
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .unwrap()
+}
+
 async fn post_payment(
     client: &IdempotencyClient<Http>,
     url: &str,
     key: Option<&str>,
     body: &str,
 ) -> Called {
-    let mut request =
-        http::Request::post(format!("{url}/payments")).header("content-type", "application/json");
-    if let Some(key) = key {
-        request = request.header("idempotency-key", key);
-    }
-    let request = request
-        .body(Full::new(Bytes::from(body.to_owned())))
+    let response = client
+        .clone()
+        .oneshot(payment(url, key, body))
+        .await
         .unwrap();
-    let response = client.clone().oneshot(request).await.unwrap();
     let outcome = *response.extensions().get::<ClientOutcome>().unwrap();
     let status = response.status();
     let bytes = response.into_body().collect().await.unwrap().to_bytes();
@@ -350,10 +358,7 @@ async fn a_call_that_gave_up_carries_its_key_and_a_retry_with_it_runs_nothing_tw
             .with_max_attempts(3)
             .with_backoff(Duration::from_millis(10), Duration::from_millis(20)),
     );
-    let request = http::Request::post(format!("{}/payments", proxy.url))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from_static(b"{}")))
-        .unwrap();
+    let request = payment(&proxy.url, None, "{}");
     let error = client.clone().oneshot(request).await.unwrap_err();
     let gave_up = error.downcast_ref::<CallError>().expect("a CallError");
     assert_eq!(gave_up.attempts(), 3);
@@ -514,10 +519,7 @@ async fn a_call_resumed_past_the_servers_protection_is_refused_instead_of_run_tw
     let client = client(quick());
 
     // The call ran, and its caller never heard: it keeps the key and the start for later.
-    let request = http::Request::post(format!("{}/payments", proxy.url))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from_static(b"{}")))
-        .unwrap();
+    let request = payment(&proxy.url, None, "{}");
     let error = client.clone().oneshot(request).await.unwrap_err();
     let gave_up = error.downcast_ref::<CallError>().expect("a CallError");
     let (key, started) = (gave_up.key().to_owned(), gave_up.started());
@@ -528,11 +530,7 @@ async fn a_call_resumed_past_the_servers_protection_is_refused_instead_of_run_tw
     let teacher = post_payment(&client, &url, None, "{}").await;
     assert_eq!(teacher.status, StatusCode::CREATED);
     let resume = |client: &IdempotencyClient<Http>| {
-        let mut request = http::Request::post(format!("{url}/payments"))
-            .header("content-type", "application/json")
-            .header("idempotency-key", &key)
-            .body(Full::new(Bytes::from_static(b"{}")))
-            .unwrap();
+        let mut request = payment(&url, Some(&key), "{}");
         request.extensions_mut().insert(CallStarted(started));
         client.clone().oneshot(request)
     };
@@ -578,10 +576,7 @@ async fn retries_stop_where_the_keys_protection_ends() {
             .with_backoff(Duration::from_millis(100), Duration::from_millis(200))
             .with_key_protection(Duration::from_millis(300)),
     );
-    let request = http::Request::post(format!("{}/payments", proxy.url))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from_static(b"{}")))
-        .unwrap();
+    let request = payment(&proxy.url, None, "{}");
     let started = Instant::now();
     let error = client.clone().oneshot(request).await.unwrap_err();
     let ended = error

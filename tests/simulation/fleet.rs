@@ -108,11 +108,10 @@ impl Future for Task {
     }
 }
 
-/// One host: its current process, and its wire's state.
+/// One host: its wire to the authority, and its current process.
 pub struct Host {
     pub index: usize,
-    world: World,
-    partitioned: Arc<AtomicBool>,
+    wire: Wire,
     process: Mutex<Arc<Process>>,
 }
 
@@ -122,12 +121,10 @@ impl Host {
             world: world.clone(),
             partitioned: Arc::default(),
         };
-        let partitioned = Arc::clone(&wire.partitioned);
         Arc::new(Self {
             index,
-            world: world.clone(),
-            partitioned,
-            process: Mutex::new(boot(wire)),
+            process: Mutex::new(boot(wire.clone())),
+            wire,
         })
     }
 
@@ -140,7 +137,7 @@ impl Host {
     /// died before answering, or the answer was lost.
     pub async fn call(&self, request: Request<Body>) -> Option<Response<Bytes>> {
         let (out, back, lost) = {
-            let mut rng = self.world.rng();
+            let mut rng = self.wire.world.rng();
             let delay = |rng: &mut Rng| Duration::from_micros(rng.below(10_000));
             (delay(&mut rng), delay(&mut rng), rng.chance(0.03))
         };
@@ -148,7 +145,7 @@ impl Host {
         let answer = self.serve(request).await?;
         tokio::time::sleep(back).await;
         if lost {
-            self.world.fault();
+            self.wire.world.fault();
             return None;
         }
         Some(answer)
@@ -175,10 +172,7 @@ impl Host {
     pub async fn deliver(&self, key: String) -> Option<Result<String, &'static str>> {
         let process = self.process();
         let once = process.once.lock().unwrap().clone()?;
-        let wire = Wire {
-            world: self.world.clone(),
-            partitioned: Arc::clone(&self.partitioned),
-        };
+        let wire = self.wire.clone();
         let (answer, answered) = tokio::sync::oneshot::channel();
         let consume = async move {
             let unit = Unit::new(UNITS, &key, b"{}").unwrap();
@@ -196,11 +190,7 @@ impl Host {
     pub async fn crash(&self, down: Duration) {
         self.process().kill();
         tokio::time::sleep(down).await;
-        let wire = Wire {
-            world: self.world.clone(),
-            partitioned: Arc::clone(&self.partitioned),
-        };
-        *self.process.lock().unwrap() = boot(wire);
+        *self.process.lock().unwrap() = boot(self.wire.clone());
     }
 
     /// The runtime is blocked for `length`: none of the process's tasks runs meanwhile.
@@ -213,9 +203,9 @@ impl Host {
 
     /// The host's wire is cut for `length`.
     pub async fn partition(&self, length: Duration) {
-        self.partitioned.store(true, SeqCst);
+        self.wire.partitioned.store(true, SeqCst);
         tokio::time::sleep(length).await;
-        self.partitioned.store(false, SeqCst);
+        self.wire.partitioned.store(false, SeqCst);
     }
 }
 

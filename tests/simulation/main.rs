@@ -183,11 +183,21 @@ fn record(scope: &str, key: &str) -> RecordKey {
     RecordKey::new(scope, IdempotencyKey::try_from(key).unwrap())
 }
 
+/// A caller's arrival, some time into the chaos.
+async fn arrive(world: &World) {
+    let start = Duration::from_millis(world.rng().below(CHAOS.as_millis() as u64));
+    tokio::time::sleep(start).await;
+}
+
+/// A caller's pause before it tries again.
+fn pause(world: &World) -> Duration {
+    Duration::from_millis(100 + world.rng().below(900))
+}
+
 /// One client of `key`: sends its request to hosts at random, retries what is not an answer
 /// (no answer, 409 in flight, 503) after a pause, and keeps the first final answer.
 async fn client(world: World, hosts: Arc<Vec<Arc<Host>>>, key: String) {
-    let start = Duration::from_millis(world.rng().below(CHAOS.as_millis() as u64));
-    tokio::time::sleep(start).await;
+    arrive(&world).await;
     for _ in 0..400 {
         let host = &hosts[world.rng().below(HOSTS as u64) as usize];
         let request = Request::post("/pay")
@@ -197,7 +207,7 @@ async fn client(world: World, hosts: Arc<Vec<Arc<Host>>>, key: String) {
             .unwrap();
         world.seen().requests += 1;
         let answer = host.call(request).await;
-        let pause = Duration::from_millis(100 + world.rng().below(900));
+        let pause = pause(&world);
         match answer {
             Some(answer) if is_final(&answer) => {
                 return world.answered(key, answer.status(), &answer.into_body(), "");
@@ -223,8 +233,7 @@ fn is_final<B>(answer: &http::Response<B>) -> bool {
 async fn caller(world: World, hosts: Arc<Vec<Arc<Host>>>, key: String) {
     use tower::{ServiceBuilder, ServiceExt, retry::budget::TpsBudget};
     use tower_idempotency::client::IdempotencyClientLayer;
-    let start = Duration::from_millis(world.rng().below(CHAOS.as_millis() as u64));
-    tokio::time::sleep(start).await;
+    arrive(&world).await;
     let budget = Arc::new(TpsBudget::new(Duration::from_secs(10), 1000, 10.0));
     let layer = IdempotencyClientLayer::new()
         .with_seed(world.rng().draw())
@@ -241,7 +250,7 @@ async fn caller(world: World, hosts: Arc<Vec<Arc<Host>>>, key: String) {
             .body(Full::new(Bytes::from_static(br#"{"amount_cents":4900}"#)))
             .unwrap();
         let answer = client.clone().oneshot(request).await;
-        let pause = Duration::from_millis(100 + world.rng().below(900));
+        let pause = pause(&world);
         match answer {
             Ok(answer) if is_final(&answer) => {
                 let status = answer.status();
@@ -292,13 +301,12 @@ where
 /// A broker delivering unit `key` to the hosts' consumers at random, redelivering until one
 /// acknowledges it: a value, or an error that says the unit will not run again.
 async fn broker(world: World, hosts: Arc<Vec<Arc<Host>>>, key: String) {
-    let start = Duration::from_millis(world.rng().below(CHAOS.as_millis() as u64));
-    tokio::time::sleep(start).await;
+    arrive(&world).await;
     for _ in 0..400 {
         let host = &hosts[world.rng().below(HOSTS as u64) as usize];
         world.seen().requests += 1;
         let outcome = host.deliver(key.clone()).await;
-        let pause = Duration::from_millis(100 + world.rng().below(900));
+        let pause = pause(&world);
         match outcome {
             Some(outcome @ (Ok(_) | Err("mismatch" | "outcome unknown"))) => {
                 let mut seen = world.seen();
@@ -410,6 +418,25 @@ async fn scenario(seed: u64, authority: Authority) -> Report {
     }
 }
 
+/// The payments committed for `scope`'s `key`, or the promise it broke: more than one of them,
+/// or the key still in flight after every host recovered.
+fn settled<'a>(
+    world: &World,
+    seen: &'a Seen,
+    scope: &str,
+    key: &str,
+) -> Result<&'a [String], String> {
+    let committed = seen.committed.get(key).map_or(&[][..], Vec::as_slice);
+    if committed.len() > 1 {
+        let n = committed.len();
+        return Err(format!("{key}: {n} payments committed: {committed:?}"));
+    }
+    if world.authority.in_flight(&record(scope, key)) {
+        return Err(format!("{key}: still in flight after every host recovered"));
+    }
+    Ok(committed)
+}
+
 /// The first promise the run broke, if any.
 fn check(world: &World, keys: &[String]) -> Option<String> {
     let seen = world.seen();
@@ -420,16 +447,10 @@ fn check(world: &World, keys: &[String]) -> Option<String> {
         return Some(format!("a client of {key} never got an answer"));
     }
     for key in keys {
-        let committed = seen.committed.get(key).map_or(&[][..], Vec::as_slice);
-        if committed.len() > 1 {
-            return Some(format!(
-                "{key}: {} payments committed: {committed:?}",
-                committed.len()
-            ));
-        }
-        if world.authority.in_flight(&record(SCOPE, key)) {
-            return Some(format!("{key}: still in flight after every host recovered"));
-        }
+        let committed = match settled(world, &seen, SCOPE, key) {
+            Ok(committed) => committed,
+            Err(broken) => return Some(broken),
+        };
         let stored = world.authority.stored(&record(SCOPE, key));
         let stored = stored.as_ref().map(|r| {
             let body = r.body().cloned().unwrap_or_default();
@@ -462,18 +483,11 @@ fn check(world: &World, keys: &[String]) -> Option<String> {
 fn check_units(world: &World, units: &[String]) -> Option<String> {
     let seen = world.seen();
     for key in units {
-        let committed = seen.committed.get(key).map_or(&[][..], Vec::as_slice);
-        if committed.len() > 1 {
-            return Some(format!(
-                "{key}: {} payments committed: {committed:?}",
-                committed.len()
-            ));
-        }
-        let record = record(UNITS, key);
-        if world.authority.in_flight(&record) {
-            return Some(format!("{key}: still in flight after every host recovered"));
-        }
-        let stored = world.authority.stored(&record).map(|stored| {
+        let committed = match settled(world, &seen, UNITS, key) {
+            Ok(committed) => committed,
+            Err(broken) => return Some(broken),
+        };
+        let stored = world.authority.stored(&record(UNITS, key)).map(|stored| {
             let body = stored.body().cloned().unwrap_or_default();
             serde_json::from_slice::<String>(&body).unwrap_or_default()
         });
@@ -493,21 +507,8 @@ fn check_units(world: &World, units: &[String]) -> Option<String> {
 /// and none left in flight.
 fn check_slots(world: &World, slots: &[String]) -> Option<String> {
     let seen = world.seen();
-    for slot in slots {
-        let committed = seen.committed.get(slot).map_or(&[][..], Vec::as_slice);
-        if committed.len() > 1 {
-            return Some(format!(
-                "{slot}: {} runs committed: {committed:?}",
-                committed.len()
-            ));
-        }
-        if world.authority.in_flight(&record("schedule", slot)) {
-            return Some(format!(
-                "{slot}: still in flight after every host recovered"
-            ));
-        }
-    }
-    None
+    let broken = |slot: &String| settled(world, &seen, "schedule", slot).err();
+    slots.iter().find_map(broken)
 }
 
 fn seeds() -> std::ops::Range<u64> {
