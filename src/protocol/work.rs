@@ -252,11 +252,11 @@ where
     use crate::store::unit::{self, Seen};
     let settings = &engine.settings;
     let deadline = Instant::now() + wait;
-    let horizon = settings.store.tombstone_horizon();
     let mut work = Some(work);
     if let Some(delivered) = fresh(engine, pool, unit, &mut work).await {
         return delivered;
     }
+    let horizon = settings.store.tombstone_horizon();
     loop {
         let mut tx = match pool.begin().await {
             Ok(tx) => tx,
