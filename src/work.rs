@@ -153,8 +153,12 @@ pub enum WorkError<E> {
         "an earlier delivery ran this unit, and its outcome is no longer kept; it will not run again"
     )]
     AnswerExpired,
-    /// The store could not be reached; the work did not run.
-    #[error("the idempotency store failed; the work did not run")]
+    /// The store could not be reached, and the work did not run; or, for a unit in its own
+    /// transaction ([`Once::run_in_transaction`]), the transaction failed outside the work (its
+    /// `BEGIN`, the key's row, or the commit, a deferred constraint of the work's included), so
+    /// nothing of it committed, unless the connection was lost during the commit. Either way,
+    /// the next delivery finds out from the key: it runs the work, or gets its outcome.
+    #[error("the idempotency store failed; the work did not run or did not commit")]
     Store(#[from] StoreError),
     /// The outcome could not be serialized, or the stored one read back.
     #[error("the outcome could not be encoded or decoded")]

@@ -318,23 +318,49 @@ async fn a_unit_in_its_transaction_waits_for_a_leased_owner_and_takes_over_a_lap
 /// decides, the one in its transaction rolls back and gets the other's outcome.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_claimed_under_a_lease_meanwhile_rolls_the_transaction_back() {
+    leased_owner_meanwhile("o-7", false).await;
+}
+
+/// The same over an expired row: the delivery read it, and means to write in its place; an
+/// owner under a lease takes it over first. The row is no longer the one read, so nothing of
+/// this delivery commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_row_taken_over_under_a_lease_meanwhile_rolls_the_transaction_back() {
+    leased_owner_meanwhile("o-13", true).await;
+}
+
+/// While a delivery in its transaction works on `key`, an owner under a lease claims it and
+/// ships; the delivery's transaction rolls back, and it gets that owner's outcome. With
+/// `expired`, the key starts with an expired row of an earlier run.
+async fn leased_owner_meanwhile(key: &str, expired: bool) {
     let (schema, store) = shipments_schema().await;
     let once = Once::new(store);
     let pool = &schema.pool;
+    if expired {
+        let old = async |_: &mut PgConnection| Ok::<_, sqlx::Error>("long ago".to_owned());
+        once.run_in_transaction(unit(key, "{}"), pool, old)
+            .await
+            .unwrap();
+        sqlx::query("UPDATE idempotency_keys SET expires_at = now() - interval '1 second'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
     let leased = Arc::new(tokio::sync::Notify::new());
     let work = async |tx: &mut PgConnection| {
-        ship(tx, "o-7", "in-transaction", &AtomicUsize::new(0)).await?;
+        ship(tx, key, "in-transaction", &AtomicUsize::new(0)).await?;
         let other = tokio::spawn({
             let (once, pool, leased) = (once.clone(), pool.clone(), Arc::clone(&leased));
+            let (key, unit) = (key.to_owned(), unit(key, "{}"));
             async move {
                 let work = |_| async move {
                     leased.notify_one();
                     let mut tx = pool.begin().await?;
-                    ship(&mut tx, "o-7", "leased", &AtomicUsize::new(0)).await?;
+                    ship(&mut tx, &key, "leased", &AtomicUsize::new(0)).await?;
                     tx.commit().await?;
                     Ok::<_, sqlx::Error>("shipped by leased".to_owned())
                 };
-                once.run(unit("o-7", "{}"), work).await.unwrap()
+                once.run(unit, work).await.unwrap()
             }
         });
         leased.notified().await;
@@ -342,14 +368,14 @@ async fn a_key_claimed_under_a_lease_meanwhile_rolls_the_transaction_back() {
         Ok::<_, sqlx::Error>("shipped by in-transaction".to_owned())
     };
     let done = once
-        .run_in_transaction(unit("o-7", "{}"), pool, work)
+        .run_in_transaction(unit(key, "{}"), pool, work)
         .await
         .unwrap();
     assert_eq!(
         (done.value.as_str(), done.replayed),
         ("shipped by leased", true)
     );
-    assert_eq!(shipped(pool, "o-7").await, ["leased"]);
+    assert_eq!(shipped(pool, key).await, ["leased"]);
     schema.drop().await;
 }
 
@@ -505,5 +531,94 @@ async fn a_delivery_dropped_mid_work_closes_its_connection_and_the_next_ships() 
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    schema.drop().await;
+}
+
+/// A constraint of the work's own that fails only at the commit (deferred) is the delivery's
+/// error, not another delivery's row: nothing committed, no key left, and the next delivery
+/// runs the work (a unique violation at the commit is not the key's row taken by another).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_constraint_failing_at_the_commit_is_the_works_error() {
+    let (schema, store) = shipments_schema().await;
+    let pool = &schema.pool;
+    let deferred = "CREATE TABLE labels (order_id text NOT NULL \
+                    UNIQUE DEFERRABLE INITIALLY DEFERRED)";
+    sqlx::query(deferred).execute(pool).await.unwrap();
+    sqlx::query("INSERT INTO labels VALUES ('o-11')")
+        .execute(pool)
+        .await
+        .unwrap();
+    let once = Once::new(store);
+    let label = async |tx: &mut PgConnection| {
+        ship(tx, "o-11", "labelled", &AtomicUsize::new(0)).await?;
+        sqlx::query("INSERT INTO labels VALUES ('o-11')")
+            .execute(&mut *tx)
+            .await?;
+        Ok::<_, sqlx::Error>("labelled".to_owned())
+    };
+    let failed = once
+        .run_in_transaction(unit("o-11", "{}"), pool, label)
+        .await;
+    assert!(matches!(failed, Err(WorkError::Store(_))), "{failed:?}");
+    assert!(shipped(pool, "o-11").await.is_empty(), "nothing committed");
+    let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(keys, 0, "no key left behind");
+
+    sqlx::query("DELETE FROM labels")
+        .execute(pool)
+        .await
+        .unwrap();
+    let done = once
+        .run_in_transaction(unit("o-11", "{}"), pool, label)
+        .await
+        .unwrap();
+    assert_eq!((done.value.as_str(), done.replayed), ("labelled", false));
+    assert_eq!(shipped(pool, "o-11").await, ["labelled"]);
+    schema.drop().await;
+}
+
+/// A delivery that committed, and one that found its key taken and rolled back, hand their
+/// connection back to the pool idle, outside any transaction (the fresh path's `BEGIN` carries
+/// the key's lock, and the replay's path rolls that back on the same connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_delivery_leaves_its_connection_outside_any_transaction() {
+    let (schema, store) = shipments_schema().await;
+    let once = Once::new(store);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(schema.pool.connect_options().as_ref().clone())
+        .await
+        .unwrap();
+    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let state = async || -> String {
+        let state = "SELECT state FROM pg_stat_activity WHERE pid = $1";
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let now: String = sqlx::query_scalar(state)
+                .bind(backend)
+                .fetch_one(&schema.pool)
+                .await
+                .unwrap();
+            if now == "idle" || Instant::now() > deadline {
+                return now;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    for by in ["first", "again"] {
+        once.run_in_transaction(unit("o-12", "{}"), &pool, async |tx: &mut PgConnection| {
+            ship(tx, "o-12", by, &AtomicUsize::new(0)).await
+        })
+        .await
+        .unwrap();
+        assert_eq!(state().await, "idle", "after the delivery by {by}");
+    }
+    assert_eq!(shipped(&schema.pool, "o-12").await, ["first"]);
     schema.drop().await;
 }
