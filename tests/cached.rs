@@ -180,11 +180,20 @@ async fn a_key_forgotten_and_reused_by_another_request_is_the_stores_past_the_bo
     assert_eq!(like_the_old.status, StatusCode::UNPROCESSABLE_ENTITY);
 }
 
-/// The retention ends before the bound: the answer is not served past it.
+/// The retention ends before the bound: the answer is not served past it, watched or not.
 #[tokio::test]
 async fn an_answer_is_never_served_past_its_retention() {
     let setup = setup().await;
     let cached = CachedStore::new(setup.behind.clone()).with_bound(Duration::from_secs(60));
+    short_retention(cached, "k-short").await;
+    let watched = CachedStore::new(setup.behind.clone())
+        .with_bound(Duration::from_secs(60))
+        .with_watcher(setup.behind.watcher());
+    short_retention(watched, "k-short-watched").await;
+}
+
+/// `key` through `cached` with a retention of a second: replayed soon after, run again past it.
+async fn short_retention(cached: CachedStore<RedisStore>, key: &str) {
     let runs = Arc::new(AtomicUsize::new(0));
     let layer = IdempotencyLayer::new(cached).with_retention(Duration::from_secs(1));
     let handler = {
@@ -195,10 +204,11 @@ async fn an_answer_is_never_served_past_its_retention() {
         }
     };
     let app = Router::new().route("/orders", post(handler)).layer(layer);
-    call(&app, order("k-short", "a")).await;
-    assert!(call(&app, order("k-short", "a")).await.replayed());
+    call(&app, order(key, "a")).await;
+    assert!(call(&app, order(key, "a")).await.replayed());
+    assert!(call(&app, order(key, "a")).await.replayed());
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    assert!(!call(&app, order("k-short", "a")).await.replayed());
+    assert!(!call(&app, order(key, "a")).await.replayed(), "{key}");
     assert_eq!(runs.load(SeqCst), 2);
 }
 
@@ -231,4 +241,231 @@ async fn the_cache_keeps_to_its_budget() {
         "k-1 was evicted, and replayed by Redis"
     );
     assert_eq!(runs.load(SeqCst), 3);
+}
+
+/// With the Redis store's watcher: answers served for as long as Redis says they have not
+/// changed, and dropped the moment it says they have (client tracking), never past the bound
+/// after the watcher last heard from Redis.
+mod watched {
+    use std::time::Instant;
+
+    use super::*;
+
+    tower_idempotency::store_conformance_tests!(async {
+        let store = RedisStore::open(&support::redis_url())
+            .unwrap()
+            .with_prefix(format!("watched:{}:", Uuid::new_v4().simple()));
+        CachedStore::new(store.clone()).with_watcher(store.watcher())
+    });
+
+    /// The store of `setup` behind a cache with a watcher and `bound`.
+    fn watched(setup: &Setup, bound: Duration) -> CachedStore<RedisStore> {
+        CachedStore::new(setup.behind.clone())
+            .with_bound(bound)
+            .with_watcher(setup.behind.watcher())
+    }
+
+    /// Completes `key` and retries it once, so that its answer is watched; waits until the
+    /// watcher has read it (the `GET`s Redis counts reach `gets`). The first answer.
+    async fn watch(setup: &Setup, app: &Router, key: &str, gets: u64) -> support::Answer {
+        let first = call(app, order(key, "a")).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert!(call(app, order(key, "a")).await.replayed());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while setup.redis.calls("get").await < gets {
+            assert!(
+                Instant::now() < deadline,
+                "{key}: the watcher never read it"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        first
+    }
+
+    /// Calls `key` until the answer is no longer the cached one (`old`'s body, replayed), for
+    /// up to `within`: the answer then.
+    async fn until_told(
+        app: &Router,
+        key: &str,
+        old: &support::Answer,
+        within: Duration,
+    ) -> support::Answer {
+        let deadline = Instant::now() + within;
+        loop {
+            let now = call(app, order(key, "a")).await;
+            if !(now.replayed() && now.body == old.body) {
+                return now;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{key}: still the old answer after {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A watched answer is served past the bound, without a round trip, while Redis says
+    /// nothing changed.
+    #[tokio::test]
+    async fn a_watched_answer_is_served_past_the_bound_without_a_round_trip() {
+        let setup = setup().await;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let app = app(watched(&setup, BOUND), &runs);
+        let first = watch(&setup, &app, "k-watched", 1).await;
+        tokio::time::sleep(BOUND + Duration::from_millis(300)).await;
+        let before = setup.redis.calls("evalsha").await;
+        let replay = call(&app, order("k-watched", "a")).await;
+        assert!(replay.replayed());
+        assert_eq!(replay.body, first.body);
+        assert_eq!(
+            setup.redis.calls("evalsha").await,
+            before,
+            "the replay reached Redis"
+        );
+        assert_eq!(runs.load(SeqCst), 1);
+    }
+
+    /// Forgotten by another process, flushed, forgotten and run again by another process, past
+    /// its retention: the cached answer goes the moment Redis says so, long before the bound
+    /// (a minute here), and the store decides.
+    #[tokio::test]
+    async fn a_watched_answer_goes_the_moment_redis_says_its_key_changed() {
+        let setup = setup().await;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let app = app(watched(&setup, Duration::from_secs(60)), &runs);
+        let other = app_without_cache(&setup, &runs);
+        let soon = Duration::from_secs(2);
+        for (n, change) in ["forget", "flush", "rerun"].into_iter().enumerate() {
+            let key = format!("k-{change}");
+            let old = watch(&setup, &app, &key, n as u64 + 1).await;
+            let ran = runs.load(SeqCst);
+            match change {
+                "forget" => assert!(setup.behind.forget(&record(&key)).await.unwrap()),
+                "flush" => {
+                    let () = redis::cmd("FLUSHALL")
+                        .query_async(&mut setup.redis.admin().await)
+                        .await
+                        .unwrap();
+                }
+                _ => {
+                    assert!(setup.behind.forget(&record(&key)).await.unwrap());
+                    assert!(!call(&other, order(&key, "a")).await.replayed());
+                }
+            }
+            let now = until_told(&app, &key, &old, soon).await;
+            if change == "rerun" {
+                assert!(now.replayed(), "the other process's answer, from Redis");
+                assert_eq!(
+                    runs.load(SeqCst),
+                    ran + 1,
+                    "{key}: ran once more, elsewhere"
+                );
+            } else {
+                assert!(!now.replayed(), "{key}: ran again");
+                assert_eq!(runs.load(SeqCst), ran + 1);
+            }
+        }
+    }
+
+    /// The watcher's connection killed: what it watched is not served again until Redis is
+    /// asked, and the watcher connects again.
+    #[tokio::test]
+    async fn a_lost_tracking_connection_drops_what_it_watched() {
+        let setup = setup().await;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let app = app(watched(&setup, Duration::from_secs(60)), &runs);
+        watch(&setup, &app, "k-lost", 1).await;
+        let killed = kill_tracking_clients(&setup).await;
+        assert_eq!(killed, 1, "one tracking connection");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let before = setup.redis.calls("evalsha").await;
+        assert!(call(&app, order("k-lost", "a")).await.replayed());
+        assert_eq!(
+            setup.redis.calls("evalsha").await,
+            before + 1,
+            "asked Redis again"
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while tracking_clients(&setup).await.is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "the watcher did not connect again"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(runs.load(SeqCst), 1);
+    }
+
+    /// Redis frozen (its connections open, nothing answering; the store's timeout longer than
+    /// the bound, so the watcher's ping is still waiting): a watched answer is served for the
+    /// bound after the watcher last heard from Redis, then no more.
+    #[tokio::test]
+    async fn a_silent_redis_stops_watched_answers_after_the_bound() {
+        let mut setup = setup().await;
+        let bound = Duration::from_millis(300);
+        let store = setup.behind.clone().with_timeout(Duration::from_secs(2));
+        let cached = CachedStore::new(store.clone())
+            .with_bound(bound)
+            .with_watcher(store.watcher());
+        let runs = Arc::new(AtomicUsize::new(0));
+        let app = app(cached, &runs);
+        watch(&setup, &app, "k-silent", 1).await;
+        tokio::time::sleep(bound + Duration::from_millis(100)).await;
+        let before = setup.redis.calls("evalsha").await;
+        assert!(call(&app, order("k-silent", "a")).await.replayed());
+        assert_eq!(
+            setup.redis.calls("evalsha").await,
+            before,
+            "watched, past the timer"
+        );
+        setup.redis.pause();
+        tokio::time::sleep(bound + Duration::from_millis(150)).await;
+        let late = call(&app, order("k-silent", "a")).await;
+        setup.redis.resume();
+        assert!(
+            !late.replayed(),
+            "served past the bound after Redis fell silent"
+        );
+        assert_eq!(
+            late.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "asked the frozen Redis"
+        );
+        assert_eq!(runs.load(SeqCst), 1);
+    }
+
+    /// The ids of the server's clients with tracking on.
+    async fn tracking_clients(setup: &Setup) -> Vec<String> {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query_async(&mut setup.redis.admin().await)
+            .await
+            .unwrap();
+        list.lines()
+            .filter(|line| {
+                line.split(' ').any(|field| {
+                    field
+                        .strip_prefix("flags=")
+                        .is_some_and(|f| f.contains('t'))
+                })
+            })
+            .filter_map(|line| line.split(' ').find_map(|f| f.strip_prefix("id=")))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    async fn kill_tracking_clients(setup: &Setup) -> usize {
+        let ids = tracking_clients(setup).await;
+        for id in &ids {
+            let _: i64 = redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("ID")
+                .arg(id)
+                .query_async(&mut setup.redis.admin().await)
+                .await
+                .unwrap();
+        }
+        ids.len()
+    }
 }

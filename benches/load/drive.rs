@@ -246,7 +246,13 @@ pub(crate) async fn measure(
         cpu_us_per_req: cpu.as_secs_f64() * 1e6 / requests as f64,
         redis_us_per_req: (matches!(
             setup,
-            "redis" | "redis-cached" | "redis-cluster" | "naive" | "valkey" | "naive-valkey"
+            "redis"
+                | "redis-cached"
+                | "redis-watched"
+                | "redis-cluster"
+                | "naive"
+                | "valkey"
+                | "naive-valkey"
         ) || setup.starts_with("tiered"))
         .then(|| redis_cpu.as_secs_f64() * 1e6 / requests as f64),
         postgres_us_per_req: (on_postgres || on_own_nodes)

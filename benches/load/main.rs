@@ -28,7 +28,9 @@
 //! and completion on its own statement (`with_max_batch(1)`), as before batches.
 //!
 //! "redis-cached" and "tiered-cached" are those stores behind `CachedStore` (replays from the
-//! server's memory, for at most 1 s after it stored or read them).
+//! server's memory, for at most 1 s after it stored or read them); "redis-watched" the Redis
+//! store behind `CachedStore` with its watcher (replays served for as long as Redis says their
+//! key has not changed, RESP3 client tracking).
 //!
 //! "node" and "node-single" are the Postgres store (batched, and one call a statement) on a
 //! PostgreSQL server this program starts; "citus-1" and "citus-2" the store built for Citus
@@ -73,12 +75,13 @@ use tower_idempotency::{
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 20] = [
+const SETUPS: [&str; 21] = [
     "bare",
     "memory",
     "naive",
     "redis",
     "redis-cached",
+    "redis-watched",
     "redis-cluster",
     "naive-valkey",
     "valkey",

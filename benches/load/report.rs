@@ -109,7 +109,11 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
         ("redis-cached", "naive", "replay"),
         ("redis-cached", "bare", "replay"),
         ("tiered-cached", "naive", "replay"),
+        ("redis-watched", "naive", "replay"),
+        ("redis-watched", "bare", "replay"),
+        ("redis-watched", "redis-cached", "replay"),
         ("redis-cached", "redis", "fresh"),
+        ("redis-watched", "redis", "fresh"),
         ("tiered-cached", "tiered", "fresh"),
     ] {
         if let (Some(a), Some(b)) = (get(x, workload), get(y, workload)) {

@@ -62,6 +62,11 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
                 "redis-cached" => {
                     layered(Arc::new(CachedStore::new(redis_store(&redis_url, &prefix))))
                 }
+                "redis-watched" => {
+                    let store = redis_store(&redis_url, &prefix);
+                    let watcher = store.watcher();
+                    layered(Arc::new(CachedStore::new(store).with_watcher(watcher)))
+                }
                 "tiered-cached" => layered(Arc::new(CachedStore::new(TieredStore::new(
                     redis_store(&redis_url, &prefix),
                     postgres_store(&database_url, &schema).await,

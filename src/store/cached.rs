@@ -2,7 +2,11 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    fmt,
+    sync::{
+        Arc, Mutex, MutexGuard, PoisonError, Weak,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -43,6 +47,18 @@ const HELD_CLAIMS: usize = 100_000;
 /// to its operators. At most [`DEFAULT_CACHE_MAX_ENTRIES`] answers and
 /// [`DEFAULT_CACHE_MAX_BYTES`] by default, the oldest dropped first.
 ///
+/// # Told by the store instead of a timer
+///
+/// With a [`Watcher`] ([`with_watcher`](Self::with_watcher); Redis has one,
+/// [`RedisStore::watcher`](super::RedisStore::watcher)), an answer a retry asked for again is
+/// watched: once the store has said it will tell of any change to the key, and the key still
+/// held that answer, the answer is served until its retention ends rather than for the bound,
+/// and dropped the moment the store says the key changed (forgotten, expired, evicted, flushed).
+/// The bound still holds: a watched answer is served only while the watcher has heard from the
+/// store within the bound, everything the store told it before included, so a lost connection
+/// or a silent network costs no more staleness than the timer does. A fresh key pays nothing
+/// for this: only an answer served again (from memory or from the store) is watched.
+///
 /// ```
 /// use std::time::Duration;
 /// use tower_idempotency::{IdempotencyLayer, MemoryStore, store::CachedStore};
@@ -55,11 +71,16 @@ pub struct CachedStore<S> {
     inner: S,
     cache: Arc<Mutex<Cache>>,
     bound: Duration,
+    watcher: Option<Arc<dyn Watcher>>,
 }
 
 #[derive(Debug, Default)]
 struct Cache {
     answers: HashMap<RecordKey, Answer>,
+    /// Watched answers are served until then at most: the bound after the watcher last heard
+    /// from the store.
+    heard_until: Option<Instant>,
+    bound: Duration,
     /// Answers in the order they were kept, oldest first, for eviction: (record, when kept).
     /// An item is stale when its record was kept again since.
     order: VecDeque<(RecordKey, Instant)>,
@@ -80,6 +101,142 @@ struct Answer {
     /// The end of the key's retention, for the `expires_in` of a replay.
     expires: Instant,
     bytes: usize,
+    token: u64,
+    watched: Watched,
+}
+
+/// How far the watcher has got with an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Watched {
+    No,
+    Asked,
+    /// The store tells the watcher of any change to the key.
+    Yes,
+}
+
+/// Tells a [`CachedStore`] when the answers it keeps change in the store, so that it serves
+/// them for as long as they are the store's (see [`CachedStore`], "Told by the store instead of
+/// a timer"). [`RedisStore::watcher`](super::RedisStore::watcher) is one.
+pub trait Watcher: Send + Sync + fmt::Debug + 'static {
+    /// Where to say what changed: called once, by [`CachedStore::with_watcher`]. A watcher
+    /// serves one cache; another cache needs a watcher of its own.
+    fn start(&self, changes: Changes);
+
+    /// Asks to be told when `watch`'s key changes from the answer it holds. Must not wait (it
+    /// is called on a request's path): the watcher answers later, through [`Changes`].
+    fn watch(&self, watch: Watch);
+}
+
+/// An answer a [`CachedStore`] would serve for longer if the store tells it of changes.
+#[derive(Debug, Clone)]
+pub struct Watch {
+    record: RecordKey,
+    fingerprint: Fingerprint,
+    response: StoredResponse,
+    token: u64,
+}
+
+impl Watch {
+    /// The key.
+    pub fn record(&self) -> &RecordKey {
+        &self.record
+    }
+
+    /// The fingerprint the answer was stored for.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+
+    /// The answer.
+    pub fn response(&self) -> &StoredResponse {
+        &self.response
+    }
+}
+
+/// Where a [`Watcher`] tells its [`CachedStore`] what changed.
+#[derive(Debug, Clone)]
+pub struct Changes {
+    cache: Weak<Mutex<Cache>>,
+}
+
+impl Changes {
+    fn with<T>(&self, change: impl FnOnce(&mut Cache) -> T) -> Option<T> {
+        let cache = self.cache.upgrade()?;
+        let mut cache = cache.lock().unwrap_or_else(PoisonError::into_inner);
+        Some(change(&mut cache))
+    }
+
+    /// The store will tell of any change to `watch`'s key from now on, and the key held
+    /// `watch`'s answer when it started to: the answer is served until its retention ends
+    /// (while the watcher is heard from). Call it only once the store has both said so and
+    /// shown the answer, on the connection that will tell.
+    pub fn watching(&self, watch: &Watch) {
+        self.with(|cache| {
+            if let Some(answer) = cache.answers.get_mut(&watch.record)
+                && answer.token == watch.token
+            {
+                answer.watched = Watched::Yes;
+            }
+        });
+    }
+
+    /// `record` changed in the store: its answer is not served again until it is kept again.
+    pub fn changed(&self, record: &RecordKey) {
+        self.with(|cache| cache.remove(record));
+    }
+
+    /// The watcher lost what it asked the store for (its connection, and what the store would
+    /// have told on it): watched answers are not served again until they are kept again, and
+    /// the others are asked for again when next served.
+    pub fn lost_track(&self) {
+        self.with(|cache| {
+            cache.heard_until = None;
+            let watched: Vec<RecordKey> = cache
+                .answers
+                .iter_mut()
+                .filter_map(|(record, answer)| match answer.watched {
+                    Watched::Yes => Some(record.clone()),
+                    Watched::Asked | Watched::No => {
+                        answer.watched = Watched::No;
+                        None
+                    }
+                })
+                .collect();
+            for record in &watched {
+                cache.remove(record);
+            }
+        });
+    }
+
+    /// Every key may have changed (the store was flushed): no answer is served until it is
+    /// kept again.
+    pub fn all_changed(&self) {
+        self.with(|cache| {
+            cache.answers.clear();
+            cache.order.clear();
+            cache.bytes = 0;
+        });
+    }
+
+    /// The watcher heard from the store in answer to what it sent at `sent` (a ping), and with
+    /// it everything the store told before: watched answers are served until the cache's bound
+    /// after `sent`.
+    pub fn heard_since(&self, sent: Instant) {
+        self.with(|cache| {
+            let until = sent + cache.bound;
+            cache.heard_until = Some(cache.heard_until.map_or(until, |h| h.max(until)));
+        });
+    }
+
+    /// The cache's bound: how often the watcher should make sure it hears from the store.
+    pub fn bound(&self) -> Option<Duration> {
+        self.with(|cache| cache.bound)
+    }
+
+    /// Whether the cache was dropped: the watcher may stop.
+    pub fn is_closed(&self) -> bool {
+        self.cache.strong_count() == 0
+    }
 }
 
 impl<S: Store> CachedStore<S> {
@@ -88,20 +245,43 @@ impl<S: Store> CachedStore<S> {
         let cache = Cache {
             max_entries: DEFAULT_CACHE_MAX_ENTRIES,
             max_bytes: DEFAULT_CACHE_MAX_BYTES,
+            bound: DEFAULT_CACHE_BOUND,
             ..Cache::default()
         };
         Self {
             inner,
             cache: Arc::new(Mutex::new(cache)),
             bound: DEFAULT_CACHE_BOUND,
+            watcher: None,
         }
     }
 
     /// How long an answer is served from memory at most, after this process stored or read it
     /// (1 s by default): the longest this process may replay an answer the store no longer
-    /// holds. `Duration::ZERO` serves nothing from memory.
+    /// holds. `Duration::ZERO` serves nothing from memory. With a [watcher](Self::with_watcher),
+    /// how long after the watcher last heard from the store.
     pub fn with_bound(mut self, bound: Duration) -> Self {
         self.bound = bound;
+        self.lock().bound = bound;
+        self
+    }
+
+    /// Answers asked for again are watched by `watcher`, and served for as long as the store
+    /// says they have not changed ("Told by the store instead of a timer", above).
+    ///
+    /// ```no_run
+    /// use tower_idempotency::{IdempotencyLayer, store::{CachedStore, RedisStore}};
+    ///
+    /// let redis = RedisStore::open("redis://127.0.0.1:6379/")?;
+    /// let store = CachedStore::new(redis.clone()).with_watcher(redis.watcher());
+    /// let layer = IdempotencyLayer::new(store);
+    /// # Ok::<(), tower_idempotency::redis::RedisError>(())
+    /// ```
+    pub fn with_watcher(mut self, watcher: impl Watcher) -> Self {
+        watcher.start(Changes {
+            cache: Arc::downgrade(&self.cache),
+        });
+        self.watcher = Some(Arc::new(watcher));
         self
     }
 
@@ -129,46 +309,84 @@ impl<S: Store> CachedStore<S> {
 
     /// The answer kept for `request`, if it is still to be served.
     fn cached(&self, request: &ClaimRequest) -> Option<ClaimOutcome> {
-        let cache = self.lock();
-        let answer = cache.answers.get(request.record())?;
+        let mut cache = self.lock();
+        let heard = cache.heard_until;
+        let answer = cache.answers.get_mut(request.record())?;
         let now = Instant::now();
-        if now >= answer.until || answer.fingerprint != *request.fingerprint() {
+        let watched = answer.watched == Watched::Yes
+            && now < answer.expires
+            && heard.is_some_and(|heard| now < heard);
+        if !(now < answer.until || watched) || answer.fingerprint != *request.fingerprint() {
             return None;
         }
-        Some(ClaimOutcome::Completed {
+        let replay = ClaimOutcome::Completed {
             response: Box::new(answer.response.clone()),
             expires_in: answer.expires.saturating_duration_since(now),
+        };
+        let watch = self.ask(answer, request.record());
+        drop(cache);
+        self.send(watch);
+        Some(replay)
+    }
+
+    /// What to ask the watcher for `answer`, if there is one and it was not asked yet.
+    fn ask(&self, answer: &mut Answer, record: &RecordKey) -> Option<Watch> {
+        if self.watcher.is_none() || answer.watched != Watched::No {
+            return None;
+        }
+        answer.watched = Watched::Asked;
+        Some(Watch {
+            record: record.clone(),
+            fingerprint: answer.fingerprint,
+            response: answer.response.clone(),
+            token: answer.token,
         })
     }
 
-    /// Keeps `response` for `record`, answered to requests with `fingerprint`.
+    fn send(&self, watch: Option<Watch>) {
+        if let (Some(watcher), Some(watch)) = (&self.watcher, watch) {
+            watcher.watch(watch);
+        }
+    }
+
+    /// Keeps `response` for `record`, answered to requests with `fingerprint`; and, for an
+    /// answer read `again` from the store, asks the watcher to watch it.
     fn keep(
         &self,
         record: &RecordKey,
         fingerprint: Fingerprint,
         response: &StoredResponse,
-        expires_in: Duration,
+        (expires_in, again): (Duration, bool),
     ) {
         if self.bound.is_zero() {
             return;
         }
         let now = Instant::now();
-        let answer = Answer {
+        let mut answer = Answer {
             fingerprint,
             bytes: super::memory::size_of(response),
             response: response.clone(),
             kept: now,
             until: now + self.bound.min(expires_in),
             expires: now + expires_in,
+            token: 0,
+            watched: Watched::No,
         };
-        self.lock().insert(record.clone(), answer);
+        // Unique in the process, so that a watch answers for the answer it asked for.
+        static TOKENS: AtomicU64 = AtomicU64::new(0);
+        answer.token = TOKENS.fetch_add(1, Ordering::Relaxed);
+        let watch = again.then(|| self.ask(&mut answer, record)).flatten();
+        if self.lock().insert(record.clone(), answer) {
+            self.send(watch);
+        }
     }
 }
 
 impl Cache {
-    fn insert(&mut self, record: RecordKey, answer: Answer) {
+    /// Keeps `answer`; `false` when it is over the budget on its own.
+    fn insert(&mut self, record: RecordKey, answer: Answer) -> bool {
         if answer.bytes > self.max_bytes || self.max_entries == 0 {
-            return;
+            return false;
         }
         self.order.push_back((record.clone(), answer.kept));
         self.bytes += answer.bytes;
@@ -176,6 +394,7 @@ impl Cache {
             self.bytes -= old.bytes;
         }
         self.evict();
+        true
     }
 
     /// Drops the oldest answers while over budget, and those whose time is up from the front.
@@ -187,7 +406,10 @@ impl Cache {
                 return;
             };
             let drop = match self.answers.get(record) {
-                Some(answer) if answer.kept == *kept => over || answer.until <= now,
+                Some(answer) if answer.kept == *kept => {
+                    let watched = answer.watched == Watched::Yes && now < answer.expires;
+                    over || (answer.until <= now && !watched)
+                }
                 // Kept again since, or gone: this item is stale.
                 _ => true,
             };
@@ -226,7 +448,7 @@ impl<S: Store> Store for CachedStore<S> {
                     request.record(),
                     *request.fingerprint(),
                     response,
-                    *expires_in,
+                    (*expires_in, true),
                 ),
                 ClaimOutcome::Acquired { .. } => {
                     let held = (request.record().clone(), request.owner());
@@ -266,7 +488,7 @@ impl<S: Store> Store for CachedStore<S> {
                 Ok(_) => self.let_go(lease),
             };
             if let (Ok(Ownership::Held), Some(fingerprint)) = (&held, fingerprint) {
-                self.keep(lease.record(), fingerprint, response, retention);
+                self.keep(lease.record(), fingerprint, response, (retention, false));
             }
             held
         })

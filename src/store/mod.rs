@@ -62,7 +62,8 @@ mod redis;
 mod tiered;
 
 pub use cached::{
-    CachedStore, DEFAULT_CACHE_BOUND, DEFAULT_CACHE_MAX_BYTES, DEFAULT_CACHE_MAX_ENTRIES,
+    CachedStore, Changes, DEFAULT_CACHE_BOUND, DEFAULT_CACHE_MAX_BYTES, DEFAULT_CACHE_MAX_ENTRIES,
+    Watch, Watcher,
 };
 pub use diagnosis::{Diagnosis, Finding, NotReady, Severity};
 pub use memory::{DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MAX_ENTRIES, MemoryStore};
@@ -75,7 +76,7 @@ pub use postgres::{
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::{advance, commit, recovery_point, unit};
 #[cfg(feature = "redis")]
-pub use redis::{DEFAULT_REDIS_TIMEOUT, RedisStore};
+pub use redis::{DEFAULT_REDIS_TIMEOUT, RedisStore, RedisWatcher};
 pub use tiered::{DEFAULT_BREAKER_COOLDOWN, TieredStore};
 
 /// A boxed future, as returned by [`Store`] methods (the trait stays object safe).

@@ -4,6 +4,7 @@
 mod connection;
 mod diagnose;
 mod record;
+mod watch;
 
 use std::{
     sync::{
@@ -18,6 +19,7 @@ use ::redis::{
     aio::{ConnectionManager, ConnectionManagerConfig},
 };
 
+pub use self::watch::RedisWatcher;
 use self::{
     connection::{Backend, Cluster, Connection, Node},
     record::{Record, Tombstone},
