@@ -35,6 +35,32 @@ async fn shipments_schema() -> (TestSchema, PostgresStore) {
     (schema, store)
 }
 
+/// A pool of one connection on `schema`, so that a test knows which connection a delivery had.
+async fn pool_of_one(schema: &TestSchema) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(schema.pool.connect_options().as_ref().clone())
+        .await
+        .unwrap()
+}
+
+/// The state of the server process `pid` once it is `wanted` (`None`: gone), or after 5 s.
+async fn backend_becomes(pool: &PgPool, pid: i32, wanted: Option<&str>) -> Option<String> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let state: Option<String> =
+            sqlx::query_scalar("SELECT state FROM pg_stat_activity WHERE pid = $1")
+                .bind(pid)
+                .fetch_optional(pool)
+                .await
+                .unwrap();
+        if state.as_deref() == wanted || Instant::now() > deadline {
+            return state;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The shipments of `key`, by whom.
 async fn shipped(pool: &PgPool, key: &str) -> Vec<String> {
     sqlx::query_scalar("SELECT by FROM shipments WHERE order_id = $1")
@@ -477,11 +503,7 @@ async fn scopes_and_keys_with_quotes_and_backslashes_are_the_keys_they_say() {
 async fn a_delivery_dropped_mid_work_closes_its_connection_and_the_next_ships() {
     let (schema, store) = shipments_schema().await;
     let once = Once::new(store);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(schema.pool.connect_options().as_ref().clone())
-        .await
-        .unwrap();
+    let pool = pool_of_one(&schema).await;
     let pid = Arc::new(std::sync::Mutex::new(None::<i32>));
     let dropped = tokio::spawn({
         let (once, pool, pid) = (once.clone(), pool.clone(), Arc::clone(&pid));
@@ -514,23 +536,11 @@ async fn a_delivery_dropped_mid_work_closes_its_connection_and_the_next_ships() 
         .unwrap();
     assert!(!next.replayed);
     assert_eq!(shipped(&schema.pool, "o-10").await, ["next"]);
-    let alive = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1";
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let count: i64 = sqlx::query_scalar(alive)
-            .bind(backend)
-            .fetch_one(&schema.pool)
-            .await
-            .unwrap();
-        if count == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the dropped delivery's connection is still open"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert_eq!(
+        backend_becomes(&schema.pool, backend, None).await,
+        None,
+        "the dropped delivery's connection is still open"
+    );
     schema.drop().await;
 }
 
@@ -587,37 +597,19 @@ async fn a_deferred_constraint_failing_at_the_commit_is_the_works_error() {
 async fn a_finished_delivery_leaves_its_connection_outside_any_transaction() {
     let (schema, store) = shipments_schema().await;
     let once = Once::new(store);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(schema.pool.connect_options().as_ref().clone())
-        .await
-        .unwrap();
+    let pool = pool_of_one(&schema).await;
     let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&pool)
         .await
         .unwrap();
-    let state = async || -> String {
-        let state = "SELECT state FROM pg_stat_activity WHERE pid = $1";
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let now: String = sqlx::query_scalar(state)
-                .bind(backend)
-                .fetch_one(&schema.pool)
-                .await
-                .unwrap();
-            if now == "idle" || Instant::now() > deadline {
-                return now;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
     for by in ["first", "again"] {
         once.run_in_transaction(unit("o-12", "{}"), &pool, async |tx: &mut PgConnection| {
             ship(tx, "o-12", by, &AtomicUsize::new(0)).await
         })
         .await
         .unwrap();
-        assert_eq!(state().await, "idle", "after the delivery by {by}");
+        let state = backend_becomes(&schema.pool, backend, Some("idle")).await;
+        assert_eq!(state.as_deref(), Some("idle"), "after the delivery by {by}");
     }
     assert_eq!(shipped(&schema.pool, "o-12").await, ["first"]);
     schema.drop().await;

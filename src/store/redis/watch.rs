@@ -33,8 +33,9 @@ const BATCH: usize = 64;
 /// and newer, Valkey). To watch an answer it reads the key on that connection: Redis then tells
 /// it of the next change to the key (the answer forgotten, its retention over, the key evicted
 /// or overwritten, the database flushed), and the cache drops the answer when it is told. It
-/// pings Redis a few times per bound; each answer tells the cache that every change before it
-/// was told. A lost connection drops every cached answer, and the watcher connects again.
+/// pings Redis every quarter of the cache's bound (at least once a second); each answer tells
+/// the cache that every change before it was told. A lost connection drops every watched
+/// answer, and the watcher connects again.
 ///
 /// On a Redis Cluster it watches nothing (a tracking connection per master is not built yet):
 /// the cache serves answers for its bound, as without a watcher.
