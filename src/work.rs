@@ -158,7 +158,7 @@ pub enum WorkError<E> {
     /// `BEGIN`, the key's row, or the commit, a deferred constraint of the work's included), so
     /// nothing of it committed, unless the connection was lost during the commit. Either way,
     /// the next delivery finds out from the key: it runs the work, or gets its outcome.
-    #[error("the idempotency store failed; the work did not run or did not commit")]
+    #[error("the idempotency store failed; the work did not run, or its commit failed")]
     Store(#[from] StoreError),
     /// The outcome could not be serialized, or the stored one read back.
     #[error("the outcome could not be encoded or decoded")]
