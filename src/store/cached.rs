@@ -70,7 +70,6 @@ const HELD_CLAIMS: usize = 100_000;
 pub struct CachedStore<S> {
     inner: S,
     cache: Arc<Mutex<Cache>>,
-    bound: Duration,
     watcher: Option<Arc<dyn Watcher>>,
 }
 
@@ -80,6 +79,7 @@ struct Cache {
     /// Watched answers are served until then at most: the bound after the watcher last heard
     /// from the store.
     heard_until: Option<Instant>,
+    /// How long an answer is served after it was kept, or after the watcher last heard.
     bound: Duration,
     /// Answers in the order they were kept, oldest first, for eviction: (record, when kept).
     /// An item is stale when its record was kept again since.
@@ -103,6 +103,13 @@ struct Answer {
     bytes: usize,
     token: u64,
     watched: Watched,
+}
+
+impl Answer {
+    /// Whether the store tells of any change to the key, within its retention at `now`.
+    fn watched_at(&self, now: Instant) -> bool {
+        self.watched == Watched::Yes && now < self.expires
+    }
 }
 
 /// How far the watcher has got with an answer.
@@ -251,7 +258,6 @@ impl<S: Store> CachedStore<S> {
         Self {
             inner,
             cache: Arc::new(Mutex::new(cache)),
-            bound: DEFAULT_CACHE_BOUND,
             watcher: None,
         }
     }
@@ -260,8 +266,7 @@ impl<S: Store> CachedStore<S> {
     /// (1 s by default): the longest this process may replay an answer the store no longer
     /// holds. `Duration::ZERO` serves nothing from memory. With a [watcher](Self::with_watcher),
     /// how long after the watcher last heard from the store.
-    pub fn with_bound(mut self, bound: Duration) -> Self {
-        self.bound = bound;
+    pub fn with_bound(self, bound: Duration) -> Self {
         self.lock().bound = bound;
         self
     }
@@ -313,9 +318,7 @@ impl<S: Store> CachedStore<S> {
         let heard = cache.heard_until;
         let answer = cache.answers.get_mut(request.record())?;
         let now = Instant::now();
-        let watched = answer.watched == Watched::Yes
-            && now < answer.expires
-            && heard.is_some_and(|heard| now < heard);
+        let watched = answer.watched_at(now) && heard.is_some_and(|heard| now < heard);
         if !(now < answer.until || watched) || answer.fingerprint != *request.fingerprint() {
             return None;
         }
@@ -358,25 +361,28 @@ impl<S: Store> CachedStore<S> {
         response: &StoredResponse,
         (expires_in, again): (Duration, bool),
     ) {
-        if self.bound.is_zero() {
+        // Unique in the process, so that a watch answers for the answer it asked for.
+        static TOKENS: AtomicU64 = AtomicU64::new(0);
+        let (bytes, response) = (super::memory::size_of(response), response.clone());
+        let mut cache = self.lock();
+        if cache.bound.is_zero() {
             return;
         }
         let now = Instant::now();
         let mut answer = Answer {
             fingerprint,
-            bytes: super::memory::size_of(response),
-            response: response.clone(),
+            bytes,
+            response,
             kept: now,
-            until: now + self.bound.min(expires_in),
+            until: now + cache.bound.min(expires_in),
             expires: now + expires_in,
-            token: 0,
+            token: TOKENS.fetch_add(1, Ordering::Relaxed),
             watched: Watched::No,
         };
-        // Unique in the process, so that a watch answers for the answer it asked for.
-        static TOKENS: AtomicU64 = AtomicU64::new(0);
-        answer.token = TOKENS.fetch_add(1, Ordering::Relaxed);
         let watch = again.then(|| self.ask(&mut answer, record)).flatten();
-        if self.lock().insert(record.clone(), answer) {
+        let kept = cache.insert(record.clone(), answer);
+        drop(cache);
+        if kept {
             self.send(watch);
         }
     }
@@ -407,8 +413,7 @@ impl Cache {
             };
             let drop = match self.answers.get(record) {
                 Some(answer) if answer.kept == *kept => {
-                    let watched = answer.watched == Watched::Yes && now < answer.expires;
-                    over || (answer.until <= now && !watched)
+                    over || (answer.until <= now && !answer.watched_at(now))
                 }
                 // Kept again since, or gone: this item is stale.
                 _ => true,
