@@ -1,6 +1,7 @@
 //! The layer's own CPU work, in process: key parsing, fingerprints, the stored-response codec,
 //! and whole requests through an axum route without the layer, with it (fresh keys and
-//! replays, on the memory store; fresh keys again with a Prometheus recorder), and with a 64 KiB
+//! replays, on the memory store; fresh keys again behind the replay cache and with a Prometheus
+//! recorder), and with a 64 KiB
 //! body next to the SHA-256 of 64 KiB.
 //!
 //! ```sh
@@ -20,7 +21,7 @@ use http_body_util::BodyExt;
 use sha2::{Digest, Sha256};
 use tower::ServiceExt;
 use tower_idempotency::{
-    Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse,
+    Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse, store::CachedStore,
 };
 
 /// About 200 bytes, as a payment API answers.
@@ -143,6 +144,16 @@ fn requests(c: &mut Criterion) {
             })
         });
         if size == 1024 {
+            // The same behind the replay cache, which keeps every answer a fresh key stores.
+            let cached = app(Some(IdempotencyLayer::new(CachedStore::new(
+                MemoryStore::new().with_max_entries(100_000),
+            ))));
+            group.bench_function(BenchmarkId::new("fresh key, cached", size), |b| {
+                b.to_async(&runtime).iter(|| {
+                    let key = format!("fresh-{}", fresh.fetch_add(1, Relaxed));
+                    send(&cached, key, &body)
+                })
+            });
             // The same with a Prometheus recorder, as in an app that exports the crate's metrics.
             let recorder = prometheus();
             group.bench_function(BenchmarkId::new("fresh key, recorded", size), |b| {

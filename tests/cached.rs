@@ -13,11 +13,13 @@ use std::{
 };
 
 use axum::{Router, body::Body, routing::post};
-use http::{Request, StatusCode};
+use http::{HeaderMap, Request, StatusCode};
 use support::{RedisServer, call};
 use tower_idempotency::{
-    IdempotencyLayer,
-    store::{CachedStore, RecordKey, RedisStore, Store},
+    Fingerprint, IdempotencyLayer, StoredResponse,
+    store::{
+        CachedStore, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, RedisStore, Store,
+    },
 };
 use uuid::Uuid;
 
@@ -116,6 +118,43 @@ async fn replays_soon_after_cost_no_round_trip_and_fresh_keys_cost_the_same() {
     call(&app, order("k-fresh", "a")).await;
     assert_eq!(setup.redis.calls("evalsha").await - before, plain);
     assert_eq!(runs.load(SeqCst), 3);
+}
+
+/// An answer is kept for the request its claim was made for, which the lease made from that
+/// claim knows. A lease made without its claim (`Lease::new`) does not: its completion is not
+/// kept, and a retry is the store's to answer.
+#[tokio::test]
+async fn only_a_lease_made_from_its_claim_has_its_answer_kept() {
+    let setup = setup().await;
+    let body = Some("1".into());
+    let response = StoredResponse::new(StatusCode::CREATED, HeaderMap::new(), body, None);
+    let retention = Duration::from_secs(60);
+    for (key, from_claim, round_trips) in [("k-claim", true, 0), ("k-made", false, 1)] {
+        let request = || {
+            let fingerprint = Fingerprint::of_payload(b"a");
+            ClaimRequest::new(record(key), fingerprint, Uuid::new_v4(), retention)
+        };
+        let claim = request();
+        let ClaimOutcome::Acquired { fence } = setup.cached.claim(&claim).await.unwrap() else {
+            panic!("a fresh key is acquired");
+        };
+        let lease = if from_claim {
+            claim.lease_with_fence(fence)
+        } else {
+            Lease::new(record(key), claim.owner(), fence)
+        };
+        let held = setup.cached.complete(&lease, &response, retention).await;
+        assert_eq!(held.unwrap(), Ownership::Held);
+        let before = setup.redis.calls("evalsha").await;
+        let replay = setup.cached.claim(&request()).await.unwrap();
+        assert!(matches!(replay, ClaimOutcome::Completed { .. }), "{key}");
+        let after = setup.redis.calls("evalsha").await;
+        assert_eq!(
+            after - before,
+            round_trips,
+            "{key}: claims that reached Redis"
+        );
+    }
 }
 
 fn app_without_cache(setup: &Setup, runs: &Arc<AtomicUsize>) -> Router {

@@ -27,8 +27,9 @@
 //! it is left out. "tiered-single" and "postgres-single" are their stores sending every claim
 //! and completion on its own statement (`with_max_batch(1)`), as before batches.
 //!
-//! "redis-cached" and "tiered-cached" are those stores behind `CachedStore` (replays from the
-//! server's memory, for at most 1 s after it stored or read them); "redis-watched" the Redis
+//! "memory-cached", "redis-cached" and "tiered-cached" are those stores behind `CachedStore`
+//! (replays from the server's memory, for at most 1 s after it stored or read them; on the
+//! memory store it shows what the cache itself costs a fresh key); "redis-watched" the Redis
 //! store behind `CachedStore` with its watcher (replays served for as long as Redis says their
 //! key has not changed, RESP3 client tracking).
 //!
@@ -37,6 +38,9 @@
 //! (`on_citus`) on a coordinator with one and two workers it starts beside it, every server with
 //! the same settings (`nodes.rs`), all on the same cores. Without Citus installed they are left
 //! out.
+//!
+//! `BENCH_WORKERS=n` gives each server process a runtime of `n` workers instead of one per core
+//! (with one, no two requests of a server contend for its locks).
 //!
 //! Redis runs as a `redis-server` this program starts on a free port, emptied before each run,
 //! so that its CPU time (`/proc`, per request) and `MEMORY USAGE` (per completed key) count only
@@ -75,9 +79,10 @@ use tower_idempotency::{
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 21] = [
+const SETUPS: [&str; 22] = [
     "bare",
     "memory",
+    "memory-cached",
     "naive",
     "redis",
     "redis-cached",

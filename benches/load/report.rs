@@ -112,6 +112,7 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
         ("redis-watched", "naive", "replay"),
         ("redis-watched", "bare", "replay"),
         ("redis-watched", "redis-cached", "replay"),
+        ("memory-cached", "memory", "fresh"),
         ("redis-cached", "redis", "fresh"),
         ("redis-watched", "redis", "fresh"),
         ("tiered-cached", "tiered", "fresh"),

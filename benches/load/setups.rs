@@ -22,109 +22,111 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
         .map(str::to_owned)
         .collect();
     let setup = setup.to_owned();
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(async move {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(workers) = std::env::var("BENCH_WORKERS")
+        .ok()
+        .and_then(|w| w.parse().ok())
+    {
+        runtime.worker_threads(workers);
+    }
+    runtime.enable_all().build().unwrap().block_on(async move {
+        let handler = post(|_body: Bytes| async {
+            (
+                StatusCode::CREATED,
+                [(header::CONTENT_TYPE, "application/json")],
+                ANSWER,
+            )
+        });
+        let prefix = format!("bench:{}:", Uuid::new_v4().simple());
+        let layered = |store: Arc<dyn Store>| {
+            Router::new().route(
+                "/payments",
+                handler
+                    .clone()
+                    .route_layer(IdempotencyLayer::from_shared_store(store)),
+            )
+        };
+        // 1 MiB answers kept 2 s, on a memory store with its default budget or none.
+        let big = |store: MemoryStore| {
             let handler = post(|_body: Bytes| async {
-                (
-                    StatusCode::CREATED,
-                    [(header::CONTENT_TYPE, "application/json")],
-                    ANSWER,
-                )
+                (StatusCode::CREATED, Bytes::from(vec![b'x'; 1024 * 1024]))
             });
-            let prefix = format!("bench:{}:", Uuid::new_v4().simple());
-            let layered = |store: Arc<dyn Store>| {
+            let layer = IdempotencyLayer::new(store)
+                .with_max_response_body(2 * 1024 * 1024)
+                .with_retention(Duration::from_secs(2));
+            Router::new().route("/payments", handler.route_layer(layer))
+        };
+        let app = match setup.as_str() {
+            "bare" => Router::new().route("/payments", handler),
+            "memory" => layered(Arc::new(MemoryStore::new())),
+            "memory-cached" => layered(Arc::new(CachedStore::new(MemoryStore::new()))),
+            "memory-1mib" => big(MemoryStore::new()),
+            "memory-1mib-unbounded" => big(MemoryStore::new().with_max_bytes(usize::MAX)),
+            "redis" => layered(Arc::new(redis_store(&redis_url, &prefix))),
+            "redis-cached" => layered(Arc::new(CachedStore::new(redis_store(&redis_url, &prefix)))),
+            "redis-watched" => {
+                let store = redis_store(&redis_url, &prefix);
+                let watcher = store.watcher();
+                layered(Arc::new(CachedStore::new(store).with_watcher(watcher)))
+            }
+            "tiered-cached" => layered(Arc::new(CachedStore::new(TieredStore::new(
+                redis_store(&redis_url, &prefix),
+                postgres_store(&database_url, &schema).await,
+            )))),
+            "valkey" => layered(Arc::new(redis_store(&valkey_url, &prefix))),
+            "redis-cluster" => layered(Arc::new(cluster_store(&cluster, &prefix))),
+            "postgres" | "postgres-single" => layered(Arc::new(
+                postgres_store(&database_url, &schema)
+                    .await
+                    .with_max_batch(max_batch(&setup)),
+            )),
+            "node" | "node-single" => layered(Arc::new(
+                PostgresStore::new(pool_in(&nodes[0], "public", 16).await)
+                    .with_max_batch(max_batch(&setup)),
+            )),
+            "citus-1" | "citus-2" => {
+                let url = if setup == "citus-1" {
+                    &nodes[1]
+                } else {
+                    &nodes[2]
+                };
+                let pool = pool_in(url, "public", 16).await;
+                layered(Arc::new(PostgresStore::new(pool).on_citus()))
+            }
+            "postgres-partitioned" => layered(Arc::new(
+                postgres_store(&database_url, &partitioned(&schema)).await,
+            )),
+            "tiered" | "tiered-single" => layered(Arc::new(TieredStore::new(
+                redis_store(&redis_url, &prefix),
+                postgres_store(&database_url, &schema)
+                    .await
+                    .with_max_batch(max_batch(&setup)),
+            ))),
+            "naive" | "naive-valkey" => {
+                let url = if setup == "naive" {
+                    redis_url
+                } else {
+                    valkey_url
+                };
+                let redis = ConnectionManager::new(redis::Client::open(url).unwrap())
+                    .await
+                    .unwrap();
+                let prefix = format!("naive:{}:", Uuid::new_v4().simple());
                 Router::new().route(
                     "/payments",
-                    handler
-                        .clone()
-                        .route_layer(IdempotencyLayer::from_shared_store(store)),
+                    handler.route_layer(middleware::from_fn_with_state(
+                        (redis, Arc::<str>::from(prefix)),
+                        naive_guard,
+                    )),
                 )
-            };
-            // 1 MiB answers kept 2 s, on a memory store with its default budget or none.
-            let big = |store: MemoryStore| {
-                let handler = post(|_body: Bytes| async {
-                    (StatusCode::CREATED, Bytes::from(vec![b'x'; 1024 * 1024]))
-                });
-                let layer = IdempotencyLayer::new(store)
-                    .with_max_response_body(2 * 1024 * 1024)
-                    .with_retention(Duration::from_secs(2));
-                Router::new().route("/payments", handler.route_layer(layer))
-            };
-            let app = match setup.as_str() {
-                "bare" => Router::new().route("/payments", handler),
-                "memory" => layered(Arc::new(MemoryStore::new())),
-                "memory-1mib" => big(MemoryStore::new()),
-                "memory-1mib-unbounded" => big(MemoryStore::new().with_max_bytes(usize::MAX)),
-                "redis" => layered(Arc::new(redis_store(&redis_url, &prefix))),
-                "redis-cached" => {
-                    layered(Arc::new(CachedStore::new(redis_store(&redis_url, &prefix))))
-                }
-                "redis-watched" => {
-                    let store = redis_store(&redis_url, &prefix);
-                    let watcher = store.watcher();
-                    layered(Arc::new(CachedStore::new(store).with_watcher(watcher)))
-                }
-                "tiered-cached" => layered(Arc::new(CachedStore::new(TieredStore::new(
-                    redis_store(&redis_url, &prefix),
-                    postgres_store(&database_url, &schema).await,
-                )))),
-                "valkey" => layered(Arc::new(redis_store(&valkey_url, &prefix))),
-                "redis-cluster" => layered(Arc::new(cluster_store(&cluster, &prefix))),
-                "postgres" | "postgres-single" => layered(Arc::new(
-                    postgres_store(&database_url, &schema)
-                        .await
-                        .with_max_batch(max_batch(&setup)),
-                )),
-                "node" | "node-single" => layered(Arc::new(
-                    PostgresStore::new(pool_in(&nodes[0], "public", 16).await)
-                        .with_max_batch(max_batch(&setup)),
-                )),
-                "citus-1" | "citus-2" => {
-                    let url = if setup == "citus-1" {
-                        &nodes[1]
-                    } else {
-                        &nodes[2]
-                    };
-                    let pool = pool_in(url, "public", 16).await;
-                    layered(Arc::new(PostgresStore::new(pool).on_citus()))
-                }
-                "postgres-partitioned" => layered(Arc::new(
-                    postgres_store(&database_url, &partitioned(&schema)).await,
-                )),
-                "tiered" | "tiered-single" => layered(Arc::new(TieredStore::new(
-                    redis_store(&redis_url, &prefix),
-                    postgres_store(&database_url, &schema)
-                        .await
-                        .with_max_batch(max_batch(&setup)),
-                ))),
-                "naive" | "naive-valkey" => {
-                    let url = if setup == "naive" {
-                        redis_url
-                    } else {
-                        valkey_url
-                    };
-                    let redis = ConnectionManager::new(redis::Client::open(url).unwrap())
-                        .await
-                        .unwrap();
-                    let prefix = format!("naive:{}:", Uuid::new_v4().simple());
-                    Router::new().route(
-                        "/payments",
-                        handler.route_layer(middleware::from_fn_with_state(
-                            (redis, Arc::<str>::from(prefix)),
-                            naive_guard,
-                        )),
-                    )
-                }
-                other => panic!("unknown setup {other}"),
-            };
-            let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port))
-                .await
-                .unwrap();
-            axum::serve(listener, app).await.unwrap();
-        });
+            }
+            other => panic!("unknown setup {other}"),
+        };
+        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port))
+            .await
+            .unwrap();
+        axum::serve(listener, app).await.unwrap();
+    });
 }
 
 pub(crate) fn redis_store(url: &str, prefix: &str) -> RedisStore {

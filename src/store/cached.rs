@@ -11,7 +11,6 @@ use std::{
 };
 
 use tokio::time::Instant;
-use uuid::Uuid;
 
 use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
@@ -25,10 +24,6 @@ pub const DEFAULT_CACHE_BOUND: Duration = Duration::from_secs(1);
 pub const DEFAULT_CACHE_MAX_ENTRIES: usize = 10_000;
 /// Default bytes of answers a [`CachedStore`] keeps: 16 MiB.
 pub const DEFAULT_CACHE_MAX_BYTES: usize = 16 * 1024 * 1024;
-
-/// Claims held by this process whose fingerprints the cache remembers at most, for their
-/// completions: far more than a process holds at once.
-const HELD_CLAIMS: usize = 100_000;
 
 /// A store that answers replays from the process's memory: the answers this process stored or
 /// replayed are kept for a short while, so that a retry that comes soon after (a client that
@@ -75,7 +70,8 @@ pub struct CachedStore<S> {
 
 #[derive(Debug, Default)]
 struct Cache {
-    answers: HashMap<RecordKey, Answer>,
+    /// Keyed by the record the claim and its lease share, so keeping an answer copies no key.
+    answers: HashMap<Arc<RecordKey>, Answer>,
     /// Watched answers are served until then at most: the bound after the watcher last heard
     /// from the store.
     heard_until: Option<Instant>,
@@ -83,9 +79,7 @@ struct Cache {
     bound: Duration,
     /// Answers in the order they were kept, oldest first, for eviction: (record, when kept).
     /// An item is stale when its record was kept again since.
-    order: VecDeque<(RecordKey, Instant)>,
-    /// Claims this process holds, for the fingerprint their completion is kept with.
-    held: HashMap<(RecordKey, Uuid), Fingerprint>,
+    order: VecDeque<(Arc<RecordKey>, Instant)>,
     bytes: usize,
     max_entries: usize,
     max_bytes: usize,
@@ -137,7 +131,7 @@ pub trait Watcher: Send + Sync + fmt::Debug + 'static {
 /// An answer a [`CachedStore`] would serve for longer if the store tells it of changes.
 #[derive(Debug, Clone)]
 pub struct Watch {
-    record: RecordKey,
+    record: Arc<RecordKey>,
     fingerprint: Fingerprint,
     response: StoredResponse,
     token: u64,
@@ -198,11 +192,11 @@ impl Changes {
     pub fn lost_track(&self) {
         self.with(|cache| {
             cache.heard_until = None;
-            let watched: Vec<RecordKey> = cache
+            let watched: Vec<Arc<RecordKey>> = cache
                 .answers
                 .iter_mut()
                 .filter_map(|(record, answer)| match answer.watched {
-                    Watched::Yes => Some(record.clone()),
+                    Watched::Yes => Some(Arc::clone(record)),
                     Watched::Asked | Watched::No => {
                         answer.watched = Watched::No;
                         None
@@ -316,7 +310,7 @@ impl<S: Store> CachedStore<S> {
     fn cached(&self, request: &ClaimRequest) -> Option<ClaimOutcome> {
         let mut cache = self.lock();
         let heard = cache.heard_until;
-        let answer = cache.answers.get_mut(request.record())?;
+        let answer = cache.answers.get_mut(request.shared_record())?;
         let now = Instant::now();
         let watched = answer.watched_at(now) && heard.is_some_and(|heard| now < heard);
         if !(now < answer.until || watched) || answer.fingerprint != *request.fingerprint() {
@@ -326,20 +320,20 @@ impl<S: Store> CachedStore<S> {
             response: Box::new(answer.response.clone()),
             expires_in: answer.expires.saturating_duration_since(now),
         };
-        let watch = self.ask(answer, request.record());
+        let watch = self.ask(answer, request.shared_record());
         drop(cache);
         self.send(watch);
         Some(replay)
     }
 
     /// What to ask the watcher for `answer`, if there is one and it was not asked yet.
-    fn ask(&self, answer: &mut Answer, record: &RecordKey) -> Option<Watch> {
+    fn ask(&self, answer: &mut Answer, record: &Arc<RecordKey>) -> Option<Watch> {
         if self.watcher.is_none() || answer.watched != Watched::No {
             return None;
         }
         answer.watched = Watched::Asked;
         Some(Watch {
-            record: record.clone(),
+            record: Arc::clone(record),
             fingerprint: answer.fingerprint,
             response: answer.response.clone(),
             token: answer.token,
@@ -356,7 +350,7 @@ impl<S: Store> CachedStore<S> {
     /// answer read `again` from the store, asks the watcher to watch it.
     fn keep(
         &self,
-        record: &RecordKey,
+        record: &Arc<RecordKey>,
         fingerprint: Fingerprint,
         response: &StoredResponse,
         (expires_in, again): (Duration, bool),
@@ -380,7 +374,7 @@ impl<S: Store> CachedStore<S> {
             watched: Watched::No,
         };
         let watch = again.then(|| self.ask(&mut answer, record)).flatten();
-        let kept = cache.insert(record.clone(), answer);
+        let kept = cache.insert(Arc::clone(record), answer, now);
         drop(cache);
         if kept {
             self.send(watch);
@@ -390,39 +384,38 @@ impl<S: Store> CachedStore<S> {
 
 impl Cache {
     /// Keeps `answer`; `false` when it is over the budget on its own.
-    fn insert(&mut self, record: RecordKey, answer: Answer) -> bool {
+    fn insert(&mut self, record: Arc<RecordKey>, answer: Answer, now: Instant) -> bool {
         if answer.bytes > self.max_bytes || self.max_entries == 0 {
             return false;
         }
-        self.order.push_back((record.clone(), answer.kept));
+        self.order.push_back((Arc::clone(&record), answer.kept));
         self.bytes += answer.bytes;
         if let Some(old) = self.answers.insert(record, answer) {
             self.bytes -= old.bytes;
         }
-        self.evict();
+        self.evict(now);
         true
     }
 
     /// Drops the oldest answers while over budget, and those whose time is up from the front.
-    fn evict(&mut self) {
-        let now = Instant::now();
+    fn evict(&mut self, now: Instant) {
         loop {
             let over = self.answers.len() > self.max_entries || self.bytes > self.max_bytes;
             let Some((record, kept)) = self.order.front() else {
                 return;
             };
-            let drop = match self.answers.get(record) {
+            // Kept again since, or gone: the item is stale, and only leaves the queue.
+            let live = match self.answers.get(record) {
                 Some(answer) if answer.kept == *kept => {
-                    over || (answer.until <= now && !answer.watched_at(now))
+                    if !over && (now < answer.until || answer.watched_at(now)) {
+                        return;
+                    }
+                    true
                 }
-                // Kept again since, or gone: this item is stale.
-                _ => true,
+                _ => false,
             };
-            if !drop {
-                return;
-            }
-            let (record, kept) = self.order.pop_front().expect("a front item");
-            if self.answers.get(&record).is_some_and(|a| a.kept == kept) {
+            let (record, _) = self.order.pop_front().expect("a front item");
+            if live {
                 self.remove(&record);
             }
         }
@@ -445,27 +438,17 @@ impl<S: Store> Store for CachedStore<S> {
                 return Ok(replay);
             }
             let outcome = self.inner.claim(request).await?;
-            match &outcome {
-                ClaimOutcome::Completed {
-                    response,
-                    expires_in,
-                } => self.keep(
-                    request.record(),
+            if let ClaimOutcome::Completed {
+                response,
+                expires_in,
+            } = &outcome
+            {
+                self.keep(
+                    request.shared_record(),
                     *request.fingerprint(),
                     response,
                     (*expires_in, true),
-                ),
-                ClaimOutcome::Acquired { .. } => {
-                    let held = (request.record().clone(), request.owner());
-                    let mut cache = self.lock();
-                    // A claim never finalized here (its grant came too late to act on) stays
-                    // until this clears them all: only its completion goes uncached.
-                    if cache.held.len() >= HELD_CLAIMS {
-                        cache.held.clear();
-                    }
-                    cache.held.insert(held, *request.fingerprint());
-                }
-                _ => {}
+                );
             }
             Ok(outcome)
         })
@@ -487,26 +470,21 @@ impl<S: Store> Store for CachedStore<S> {
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
             let held = self.inner.complete(lease, response, retention).await;
-            let fingerprint = match &held {
-                // Finalizing again after an error keeps what it needs until it is done.
-                Err(_) => None,
-                Ok(_) => self.let_go(lease),
-            };
-            if let (Ok(Ownership::Held), Some(fingerprint)) = (&held, fingerprint) {
-                self.keep(lease.record(), fingerprint, response, (retention, false));
+            // A lease made without its claim does not know what request its answer is for.
+            if let (Ok(Ownership::Held), Some(fingerprint)) = (&held, lease.fingerprint()) {
+                self.keep(
+                    lease.shared_record(),
+                    *fingerprint,
+                    response,
+                    (retention, false),
+                );
             }
             held
         })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        Box::pin(async move {
-            let released = self.inner.release(lease).await;
-            if matches!(released, Ok(Ownership::Held | Ownership::Lost)) {
-                self.let_go(lease);
-            }
-            released
-        })
+        self.inner.release(lease)
     }
 
     fn kind(&self) -> &'static str {
@@ -552,13 +530,5 @@ impl<S: Store> Store for CachedStore<S> {
 
     fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
         self.inner.diagnose()
-    }
-}
-
-impl<S: Store> CachedStore<S> {
-    /// Forgets the claim `lease` held here: the fingerprint it was claimed with, if it was.
-    fn let_go(&self, lease: &Lease) -> Option<Fingerprint> {
-        let held = (lease.record().clone(), lease.owner());
-        self.lock().held.remove(&held)
     }
 }

@@ -486,10 +486,8 @@ impl ClaimRequest {
             record: Arc::clone(&self.record),
             owner: self.owner,
             fence,
-            receipt: (written != 0).then_some(Receipt {
-                fingerprint: self.fingerprint,
-                fence: written,
-            }),
+            fingerprint: Some(self.fingerprint),
+            written: (written != 0).then_some(written),
         }
     }
 
@@ -507,8 +505,8 @@ impl ClaimRequest {
 /// compares and sets (`SET … IFEQ`) finalizes without a script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-pub(crate) struct Receipt {
-    pub(crate) fingerprint: Fingerprint,
+pub(crate) struct Receipt<'a> {
+    pub(crate) fingerprint: &'a Fingerprint,
     pub(crate) fence: u64,
 }
 
@@ -520,26 +518,36 @@ pub struct Lease {
     record: Arc<RecordKey>,
     owner: Uuid,
     fence: u64,
-    /// Set on the leases of claims the Redis store granted.
-    receipt: Option<Receipt>,
+    /// The claim's, on a lease made from it.
+    fingerprint: Option<Fingerprint>,
+    /// The fence of the in-flight record the Redis store wrote, on the leases of claims it
+    /// granted.
+    written: Option<u64>,
 }
 
 impl Lease {
     /// The lease `owner` holds on `record`, granted with `fence`.
     ///
     /// A lease made here, rather than by [`ClaimRequest::lease_with_fence`], does not know the
-    /// exact record a Redis store wrote: that store finalizes it with its scripts.
+    /// request's fingerprint, nor the exact record a Redis store wrote: that store finalizes it
+    /// with its scripts, and a [`CachedStore`] does not keep its answer.
     pub fn new(record: RecordKey, owner: Uuid, fence: u64) -> Self {
         Self {
             record: Arc::new(record),
             owner,
             fence,
-            receipt: None,
+            fingerprint: None,
+            written: None,
         }
     }
 
     /// The record held.
     pub fn record(&self) -> &RecordKey {
+        &self.record
+    }
+
+    /// The record held, shared with the claim it came from.
+    pub(crate) fn shared_record(&self) -> &Arc<RecordKey> {
         &self.record
     }
 
@@ -553,10 +561,19 @@ impl Lease {
         self.fence
     }
 
+    /// The fingerprint of the request the claim was made for, on a lease made from its claim
+    /// ([`ClaimRequest::lease_with_fence`]).
+    pub fn fingerprint(&self) -> Option<&Fingerprint> {
+        self.fingerprint.as_ref()
+    }
+
     /// What the Redis store wrote for this lease's claim, if it granted it.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn receipt(&self) -> Option<&Receipt> {
-        self.receipt.as_ref()
+    pub(crate) fn receipt(&self) -> Option<Receipt<'_>> {
+        Some(Receipt {
+            fingerprint: self.fingerprint.as_ref()?,
+            fence: self.written?,
+        })
     }
 }
 

@@ -347,7 +347,7 @@ impl RedisStore {
             return Ok(None);
         }
         let Some(current) = lease.receipt().and_then(|receipt| {
-            record::in_flight(&receipt.fingerprint, lease.owner(), receipt.fence)
+            record::in_flight(receipt.fingerprint, lease.owner(), receipt.fence)
         }) else {
             return Ok(None);
         };
