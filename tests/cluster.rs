@@ -13,11 +13,11 @@ use std::{
 
 use axum::{Router, body::Body, routing::post};
 use http::{Request, StatusCode};
-use support::{Busy, RedisCluster, claim_request, database_url, pool_in_schema};
+use support::{Busy, RedisCluster, acquire, claim_request, database_url, pool_in_schema};
 use tower::ServiceExt;
 use tower_idempotency::{
-    IdempotencyLayer,
-    store::{ClaimOutcome, PostgresStore, RedisStore, Store, TieredStore},
+    IdempotencyLayer, StoredResponse,
+    store::{CachedStore, ClaimOutcome, Ownership, PostgresStore, RedisStore, Store, TieredStore},
 };
 use uuid::Uuid;
 
@@ -242,4 +242,102 @@ async fn the_doctor_checks_every_master_and_the_slot_coverage() {
     tokio::task::spawn_blocking(move || drop(cluster))
         .await
         .unwrap();
+}
+
+/// How many times each master ran `command` (lower case), failed calls left out.
+fn calls_per_master(cluster: &RedisCluster, command: &str) -> Vec<u64> {
+    let field = |stats: &str, name: &str| -> u64 {
+        stats
+            .split(',')
+            .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+            .map_or(0, |value| value.parse().unwrap())
+    };
+    let line = format!("cmdstat_{command}:");
+    cluster
+        .masters()
+        .into_iter()
+        .map(|port| {
+            let info = cluster.cli(port, &["info", "commandstats"]);
+            info.lines()
+                .find_map(|l| l.trim().strip_prefix(&line))
+                .map_or(0, |stats| {
+                    field(stats, "calls") - field(stats, "failed_calls")
+                })
+        })
+        .collect()
+}
+
+/// The replay cache's watcher on a cluster keeps a tracking connection to each master and reads
+/// each key on its slot's: answers on every master are served past the bound without a round
+/// trip while nothing changes, and go the moment another process forgets them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replay_cache_is_told_by_every_master() {
+    let cluster = tokio::task::spawn_blocking(RedisCluster::start)
+        .await
+        .unwrap();
+    let store = store_on(&cluster);
+    let bound = Duration::from_millis(300);
+    let cached = CachedStore::new(store.clone())
+        .with_bound(bound)
+        .with_watcher(store.watcher());
+    let (lease, retention) = (Duration::from_secs(30), Duration::from_secs(600));
+    let response = StoredResponse::new(StatusCode::CREATED, Default::default(), None, None);
+    // Enough keys that every master holds some.
+    let keys: Vec<String> = (0..30).map(|k| format!("k-{k}")).collect();
+    for key in &keys {
+        let request = claim_request(key, lease);
+        let held = acquire(&cached, &request).await;
+        let completed = cached.complete(&held, &response, retention).await;
+        assert_eq!(completed.unwrap(), Ownership::Held);
+    }
+    // Asked again: served from memory, and watched (the scripts' own `GET`s are done by now).
+    let gets_before = calls_per_master(&cluster, "get");
+    for key in &keys {
+        let again = cached.claim(&claim_request(key, lease)).await.unwrap();
+        assert!(matches!(again, ClaimOutcome::Completed { .. }), "{key}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let gets = calls_per_master(&cluster, "get");
+        let read: Vec<u64> = gets.iter().zip(&gets_before).map(|(n, b)| n - b).collect();
+        if read.iter().sum::<u64>() >= keys.len() as u64 {
+            assert!(
+                read.iter().all(|&n| n > 0),
+                "a master read nothing: {read:?}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "the watcher never read them all");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(2 * bound).await;
+    let scripts: u64 = calls_per_master(&cluster, "evalsha").iter().sum();
+    for key in &keys {
+        let replay = cached.claim(&claim_request(key, lease)).await.unwrap();
+        assert!(matches!(replay, ClaimOutcome::Completed { .. }), "{key}");
+    }
+    let after: u64 = calls_per_master(&cluster, "evalsha").iter().sum();
+    assert_eq!(after, scripts, "replays past the bound reached the cluster");
+
+    // Forgotten by another process: each answer goes when its master says so. Unwatched, they
+    // would have gone at the bound already; watched and never told, they would stay.
+    for key in &keys {
+        let record = claim_request(key, lease).record().clone();
+        assert!(store.forget(&record).await.unwrap(), "{key}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for key in &keys {
+        loop {
+            match cached.claim(&claim_request(key, lease)).await.unwrap() {
+                ClaimOutcome::Acquired { .. } => break,
+                ClaimOutcome::Completed { .. } => {}
+                other => panic!("{key}: {other:?}"),
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{key}: still served after it was forgotten"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }

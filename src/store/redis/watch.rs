@@ -2,13 +2,15 @@
 //! [`CachedStore`](crate::store::CachedStore) the moment a key whose answer it serves changes.
 
 use std::{
+    collections::HashMap,
     sync::{Arc, Mutex, OnceLock, PoisonError},
     time::Duration,
 };
 
 use ::redis::{
-    AsyncConnectionConfig, Client, ErrorKind, ProtocolVersion, PushInfo, PushKind, RedisError,
-    ServerErrorKind, Value, aio::MultiplexedConnection,
+    AsyncConnectionConfig, Client, ConnectionAddr, ConnectionInfo, ErrorKind, ProtocolVersion,
+    PushInfo, PushKind, RedisError, ServerErrorKind, Value, aio::MultiplexedConnection,
+    cluster_routing::Slot,
 };
 use tokio::{
     sync::mpsc,
@@ -37,8 +39,11 @@ const BATCH: usize = 64;
 /// the cache that every change before it was told. A lost connection drops every watched
 /// answer, and the watcher connects again.
 ///
-/// On a Redis Cluster it watches nothing (a tracking connection per master is not built yet):
-/// the cache serves answers for its bound, as without a watcher.
+/// On a Redis Cluster it keeps one such connection to each master, reads each key on the
+/// master of its slot (the slots as `CLUSTER SLOTS` gave them when it connected), and hears
+/// from the cluster only when every master answered its ping. A read the cluster redirects (its
+/// slots moved since), or any master's connection lost, drops every watched answer, and the
+/// watcher connects again with the slots as they are then.
 #[derive(Debug, Clone)]
 pub struct RedisWatcher {
     shared: Arc<Shared>,
@@ -75,9 +80,6 @@ impl Watcher for RedisWatcher {
     }
 
     fn watch(&self, watch: Watch) {
-        let Backend::Server { client, .. } = &self.shared.store.backend else {
-            return;
-        };
         let Some(changes) = self.shared.changes.get() else {
             return;
         };
@@ -86,8 +88,15 @@ impl Watcher for RedisWatcher {
         };
         let queued = self.shared.queued.lock();
         if let Some(queued) = queued.unwrap_or_else(PoisonError::into_inner).take() {
+            let (seeds, cluster) = match &self.shared.store.backend {
+                Backend::Server { client, .. } => {
+                    (vec![client.get_connection_info().clone()], false)
+                }
+                Backend::Cluster(cluster) => (cluster.seeds.clone(), true),
+            };
             let tracking = Tracking {
-                client: client.clone(),
+                seeds,
+                cluster,
                 store: self.shared.store.clone(),
                 changes: changes.clone(),
             };
@@ -98,11 +107,30 @@ impl Watcher for RedisWatcher {
     }
 }
 
-/// The task that keeps the tracking connection, and tells the cache what Redis tells it.
+/// The task that keeps the tracking connections, and tells the cache what Redis tells it.
 struct Tracking {
-    client: Client,
+    /// The server, or the cluster's seeds.
+    seeds: Vec<ConnectionInfo>,
+    cluster: bool,
     store: RedisStore,
     changes: Changes,
+}
+
+/// The tracking connections: one to the server, or one to each master of a cluster.
+struct Connections {
+    nodes: Vec<MultiplexedConnection>,
+    /// On a cluster, the node (in `nodes`) serving each slot.
+    slots: Option<HashMap<Slot, usize>>,
+}
+
+impl Connections {
+    /// The node that serves `key`: `None` on a cluster whose slots did not cover it.
+    fn node_of(&self, key: &str) -> Option<usize> {
+        match &self.slots {
+            None => Some(0),
+            Some(slots) => slots.get(&Slot::for_key(key)).copied(),
+        }
+    }
 }
 
 /// Whether the server refused RESP3 or client tracking (`ERR unknown …`), rather than being
@@ -124,9 +152,9 @@ impl Tracking {
         let mut pause = Duration::from_millis(50);
         while !self.changes.is_closed() {
             let ended = match self.connect().await {
-                Ok((connection, pushes)) => {
+                Ok((connections, pushes)) => {
                     pause = Duration::from_millis(50);
-                    self.track(connection, pushes, &mut queued).await
+                    self.track(connections, pushes, &mut queued).await
                 }
                 Err(error) if refused(&error) => {
                     // Refused, not unreachable (a server without client tracking): answers
@@ -149,20 +177,42 @@ impl Tracking {
         }
     }
 
-    /// A connection in RESP3 with client tracking on, and where its pushes arrive.
+    /// The tracking connections, and where their pushes arrive.
     async fn connect(
         &self,
-    ) -> Result<(MultiplexedConnection, mpsc::UnboundedReceiver<PushInfo>), RedisError> {
-        let info = self.client.get_connection_info().clone();
-        let settings = info.redis_settings().clone();
-        let info = info.set_redis_settings(settings.set_protocol(ProtocolVersion::RESP3));
+    ) -> Result<(Connections, mpsc::UnboundedReceiver<PushInfo>), RedisError> {
         let (sender, pushes) = mpsc::unbounded_channel();
+        let (masters, slots) = if self.cluster {
+            let (masters, slots) = self.slot_map().await?;
+            (masters, Some(slots))
+        } else {
+            (self.seeds.clone(), None)
+        };
+        let mut nodes = Vec::with_capacity(masters.len());
+        for master in masters {
+            nodes.push(self.tracking(master, &sender).await?);
+        }
+        Ok((Connections { nodes, slots }, pushes))
+    }
+
+    /// A connection's settings: the store's timeouts.
+    fn config(&self) -> AsyncConnectionConfig {
         let timeout = self.store.timeout;
-        let config = AsyncConnectionConfig::new()
-            .set_push_sender(sender)
+        AsyncConnectionConfig::new()
             .set_response_timeout(Some(timeout))
-            .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))));
-        let mut connection = Client::open(info)?
+            .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
+    }
+
+    /// A connection to `node` in RESP3 with client tracking on, its pushes sent to `pushes`.
+    async fn tracking(
+        &self,
+        node: ConnectionInfo,
+        pushes: &mpsc::UnboundedSender<PushInfo>,
+    ) -> Result<MultiplexedConnection, RedisError> {
+        let settings = node.redis_settings().clone();
+        let node = node.set_redis_settings(settings.set_protocol(ProtocolVersion::RESP3));
+        let config = self.config().set_push_sender(pushes.clone());
+        let mut connection = Client::open(node)?
             .get_multiplexed_async_connection_with_config(&config)
             .await?;
         ::redis::cmd("CLIENT")
@@ -170,13 +220,38 @@ impl Tracking {
             .arg("ON")
             .query_async::<()>(&mut connection)
             .await?;
-        Ok((connection, pushes))
+        Ok(connection)
     }
 
-    /// Serves one connection until it is lost or the cache is gone.
+    /// The cluster's masters, and the master (among them) of each slot, from the first seed
+    /// that answers `CLUSTER SLOTS`.
+    async fn slot_map(&self) -> Result<(Vec<ConnectionInfo>, HashMap<Slot, usize>), RedisError> {
+        let mut failed = None;
+        for seed in &self.seeds {
+            let asked = async {
+                let client = Client::open(seed.clone())?;
+                let mut connection = client
+                    .get_multiplexed_async_connection_with_config(&self.config())
+                    .await?;
+                let slots: Vec<Vec<Value>> = ::redis::cmd("CLUSTER")
+                    .arg("SLOTS")
+                    .query_async(&mut connection)
+                    .await?;
+                parse_slots(seed, slots)
+            };
+            match asked.await {
+                Ok(map) => return Ok(map),
+                Err(error) if refused(&error) => return Err(error),
+                Err(error) => failed = Some(error),
+            }
+        }
+        Err(failed.unwrap_or_else(|| (ErrorKind::Client, "a cluster without seeds").into()))
+    }
+
+    /// Serves the connections until one is lost or the cache is gone.
     async fn track(
         &self,
-        mut connection: MultiplexedConnection,
+        mut connections: Connections,
         mut pushes: mpsc::UnboundedReceiver<PushInfo>,
         queued: &mut mpsc::Receiver<Watch>,
     ) -> Ended {
@@ -198,17 +273,20 @@ impl Tracking {
                         return Ended::Closed;
                     }
                     let sent = Instant::now();
-                    let pong = ::redis::cmd("PING").query_async::<()>(&mut connection).await;
-                    match pong {
-                        Ok(()) => self.changes.heard_since(sent),
-                        Err(_) => return Ended::Lost,
+                    for connection in &mut connections.nodes {
+                        let pong = ::redis::cmd("PING").query_async::<()>(connection).await;
+                        if pong.is_err() {
+                            return Ended::Lost;
+                        }
                     }
+                    // Every node answered: each told all it had to tell before.
+                    self.changes.heard_since(sent);
                 }
                 count = queued.recv_many(&mut batch, BATCH) => {
                     if count == 0 {
                         return Ended::Closed;
                     }
-                    if self.read(&mut connection, &mut batch).await.is_err() {
+                    if self.read(&mut connections, &mut batch).await.is_err() {
                         return Ended::Lost;
                     }
                 }
@@ -240,30 +318,108 @@ impl Tracking {
         }
     }
 
-    /// Reads the keys of `batch` on the tracking connection, so that Redis tells of their next
-    /// change, and tells the cache which still hold the answer it keeps.
+    /// Reads the keys of `batch` on the tracking connections (each on its master's), so that
+    /// Redis tells of their next change, and tells the cache which still hold the answer it
+    /// keeps. A key a cluster redirects fails the read: its slots moved.
     async fn read(
         &self,
-        connection: &mut MultiplexedConnection,
+        connections: &mut Connections,
         batch: &mut Vec<Watch>,
     ) -> Result<(), RedisError> {
-        let mut pipeline = ::redis::pipe();
-        for watch in batch.iter() {
-            pipeline
-                .cmd("GET")
-                .arg(self.store.record_key(watch.record()));
-        }
-        let values: Vec<Option<Vec<u8>>> = pipeline.query_async(connection).await?;
-        for (watch, value) in batch.drain(..).zip(values) {
-            let holds = value.as_deref().and_then(|value| Record::parse(value).ok());
-            let holds = holds.is_some_and(|record| {
-                record.matches(watch.fingerprint())
-                    && record.response().ok().flatten().as_ref() == Some(watch.response())
-            });
-            if holds {
-                self.changes.watching(&watch);
+        let keys: Vec<String> = batch
+            .iter()
+            .map(|watch| self.store.record_key(watch.record()))
+            .collect();
+        let nodes: Vec<Option<usize>> = keys.iter().map(|key| connections.node_of(key)).collect();
+        for (node, connection) in connections.nodes.iter_mut().enumerate() {
+            let mine: Vec<usize> = (0..keys.len())
+                .filter(|&i| nodes[i] == Some(node))
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let mut pipeline = ::redis::pipe();
+            for &i in &mine {
+                pipeline.cmd("GET").arg(&keys[i]);
+            }
+            let values: Vec<Option<Vec<u8>>> = pipeline.query_async(connection).await?;
+            for (i, value) in mine.into_iter().zip(values) {
+                self.holds(&batch[i], value.as_deref());
             }
         }
+        batch.clear();
         Ok(())
     }
+
+    /// Tells the cache that `watch` is watched if the record read, `value`, holds its answer.
+    fn holds(&self, watch: &Watch, value: Option<&[u8]>) {
+        let record = value.and_then(|value| Record::parse(value).ok());
+        let holds = record.is_some_and(|record| {
+            record.matches(watch.fingerprint())
+                && record.response().ok().flatten().as_ref() == Some(watch.response())
+        });
+        if holds {
+            self.changes.watching(watch);
+        }
+    }
+}
+
+/// The masters and the master of each slot, from `CLUSTER SLOTS` as `seed` answered it: each
+/// entry a slot range and its master (host, port, …), then its replicas. A master is reached
+/// with the seed's settings (credentials, TLS) at its own address.
+fn parse_slots(
+    seed: &ConnectionInfo,
+    ranges: Vec<Vec<Value>>,
+) -> Result<(Vec<ConnectionInfo>, HashMap<Slot, usize>), RedisError> {
+    let mut masters: Vec<(String, u16)> = Vec::new();
+    let mut slots = HashMap::new();
+    for range in ranges {
+        let mut range = range.into_iter();
+        let mut next = || range.next().unwrap_or(Value::Nil);
+        let (start, end): (u16, u16) = (from(next())?, from(next())?);
+        let master: Vec<Value> = from(next())?;
+        let mut master = master.into_iter();
+        let host: String = from(master.next().unwrap_or(Value::Nil))?;
+        let port: u16 = from(master.next().unwrap_or(Value::Nil))?;
+        let address = (host, port);
+        let node = masters
+            .iter()
+            .position(|m| *m == address)
+            .unwrap_or_else(|| {
+                masters.push(address);
+                masters.len() - 1
+            });
+        slots.extend((start..=end).filter_map(Slot::new).map(|slot| (slot, node)));
+    }
+    let masters = masters
+        .into_iter()
+        .map(|(host, port)| at(seed, host, port))
+        .collect();
+    Ok((masters, slots))
+}
+
+fn from<T: ::redis::FromRedisValue>(value: Value) -> Result<T, RedisError> {
+    ::redis::from_redis_value(value).map_err(Into::into)
+}
+
+/// `seed`'s settings at `host:port` (the seed's host where the cluster gives none).
+fn at(seed: &ConnectionInfo, host: String, port: u16) -> ConnectionInfo {
+    let addr = match seed.addr().clone() {
+        ConnectionAddr::Tcp(seed_host, _) => {
+            ConnectionAddr::Tcp(if host.is_empty() { seed_host } else { host }, port)
+        }
+        ConnectionAddr::TcpTls {
+            host: seed_host,
+            insecure,
+            tls_params,
+            ..
+        } => ConnectionAddr::TcpTls {
+            host: if host.is_empty() { seed_host } else { host },
+            port,
+            insecure,
+            tls_params,
+        },
+        other => other,
+    };
+    seed.clone().set_addr(addr)
 }
