@@ -267,68 +267,89 @@ fn calls_per_master(cluster: &RedisCluster, command: &str) -> Vec<u64> {
         .collect()
 }
 
-/// The replay cache's watcher on a cluster keeps a tracking connection to each master and reads
-/// each key on its slot's: answers on every master are served past the bound without a round
-/// trip while nothing changes, and go the moment another process forgets them.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_replay_cache_is_told_by_every_master() {
-    let cluster = tokio::task::spawn_blocking(RedisCluster::start)
-        .await
-        .unwrap();
-    let store = store_on(&cluster);
-    let bound = Duration::from_millis(300);
-    let cached = CachedStore::new(store.clone())
-        .with_bound(bound)
-        .with_watcher(store.watcher());
-    let (lease, retention) = (Duration::from_secs(30), Duration::from_secs(600));
+/// A replay cache watched on `store`'s cluster, with a bound of [`BOUND`].
+fn watched_cache(store: &RedisStore) -> CachedStore<RedisStore> {
+    CachedStore::new(store.clone())
+        .with_bound(BOUND)
+        .with_watcher(store.watcher())
+}
+
+const BOUND: Duration = Duration::from_millis(300);
+const LEASE: Duration = Duration::from_secs(30);
+
+/// Enough keys that every master of three holds some.
+fn keys() -> Vec<String> {
+    (0..30).map(|k| format!("k-{k}")).collect()
+}
+
+/// Completes each key through `cached`, asks for it again, and waits until the watcher has read
+/// them all on their masters (the `GET`s each master counts), every master some.
+async fn complete_and_watch(
+    cluster: &RedisCluster,
+    cached: &CachedStore<RedisStore>,
+    keys: &[String],
+) {
     let response = StoredResponse::new(StatusCode::CREATED, Default::default(), None, None);
-    // Enough keys that every master holds some.
-    let keys: Vec<String> = (0..30).map(|k| format!("k-{k}")).collect();
-    for key in &keys {
-        let request = claim_request(key, lease);
-        let held = acquire(&cached, &request).await;
-        let completed = cached.complete(&held, &response, retention).await;
+    for key in keys {
+        let held = acquire(cached, &claim_request(key, LEASE)).await;
+        let completed = cached
+            .complete(&held, &response, Duration::from_secs(600))
+            .await;
         assert_eq!(completed.unwrap(), Ownership::Held);
     }
     // Asked again: served from memory, and watched (the scripts' own `GET`s are done by now).
-    let gets_before = calls_per_master(&cluster, "get");
-    for key in &keys {
-        let again = cached.claim(&claim_request(key, lease)).await.unwrap();
+    let gets_before = calls_per_master(cluster, "get");
+    for key in keys {
+        let again = cached.claim(&claim_request(key, LEASE)).await.unwrap();
         assert!(matches!(again, ClaimOutcome::Completed { .. }), "{key}");
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let gets = calls_per_master(&cluster, "get");
+        let gets = calls_per_master(cluster, "get");
         let read: Vec<u64> = gets.iter().zip(&gets_before).map(|(n, b)| n - b).collect();
         if read.iter().sum::<u64>() >= keys.len() as u64 {
             assert!(
                 read.iter().all(|&n| n > 0),
                 "a master read nothing: {read:?}"
             );
-            break;
+            return;
         }
         assert!(Instant::now() < deadline, "the watcher never read them all");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    tokio::time::sleep(2 * bound).await;
-    let scripts: u64 = calls_per_master(&cluster, "evalsha").iter().sum();
-    for key in &keys {
-        let replay = cached.claim(&claim_request(key, lease)).await.unwrap();
+}
+
+/// How many scripts reached the cluster while every key was asked for again, past the bound.
+async fn scripts_past_the_bound(
+    cluster: &RedisCluster,
+    cached: &CachedStore<RedisStore>,
+    keys: &[String],
+) -> u64 {
+    tokio::time::sleep(2 * BOUND).await;
+    let before: u64 = calls_per_master(cluster, "evalsha").iter().sum();
+    for key in keys {
+        let replay = cached.claim(&claim_request(key, LEASE)).await.unwrap();
         assert!(matches!(replay, ClaimOutcome::Completed { .. }), "{key}");
     }
-    let after: u64 = calls_per_master(&cluster, "evalsha").iter().sum();
-    assert_eq!(after, scripts, "replays past the bound reached the cluster");
+    calls_per_master(cluster, "evalsha").iter().sum::<u64>() - before
+}
 
-    // Forgotten by another process: each answer goes when its master says so. Unwatched, they
-    // would have gone at the bound already; watched and never told, they would stay.
-    for key in &keys {
-        let record = claim_request(key, lease).record().clone();
+/// Forgets every key through `store` (another process), and waits until `cached` no longer
+/// serves any: each goes when its master says so. Unwatched, they would have gone at the bound
+/// already; watched and never told, they would stay.
+async fn forgotten_elsewhere(
+    store: &RedisStore,
+    cached: &CachedStore<RedisStore>,
+    keys: &[String],
+) {
+    for key in keys {
+        let record = claim_request(key, LEASE).record().clone();
         assert!(store.forget(&record).await.unwrap(), "{key}");
     }
     let deadline = Instant::now() + Duration::from_secs(2);
-    for key in &keys {
+    for key in keys {
         loop {
-            match cached.claim(&claim_request(key, lease)).await.unwrap() {
+            match cached.claim(&claim_request(key, LEASE)).await.unwrap() {
                 ClaimOutcome::Acquired { .. } => break,
                 ClaimOutcome::Completed { .. } => {}
                 other => panic!("{key}: {other:?}"),
@@ -340,4 +361,76 @@ async fn the_replay_cache_is_told_by_every_master() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
+}
+
+/// The replay cache's watcher on a cluster keeps a tracking connection to each master and reads
+/// each key on its slot's: answers on every master are served past the bound without a round
+/// trip while nothing changes, and go the moment another process forgets them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replay_cache_is_told_by_every_master() {
+    let cluster = tokio::task::spawn_blocking(RedisCluster::start)
+        .await
+        .unwrap();
+    let store = store_on(&cluster);
+    let cached = watched_cache(&store);
+    let keys = keys();
+    complete_and_watch(&cluster, &cached, &keys).await;
+    let scripts = scripts_past_the_bound(&cluster, &cached, &keys).await;
+    assert_eq!(scripts, 0, "replays past the bound reached the cluster");
+    forgotten_elsewhere(&store, &cached, &keys).await;
+}
+
+/// Every slot of a master moved to another (`redis-cli --cluster reshard`): its keys' answers
+/// go when the old master deletes them, the watcher's next read there is redirected, and it
+/// connects again with the slots as they are now; the answers are watched on their new master,
+/// and told from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_resharding_answers_are_watched_where_their_slots_went() {
+    let cluster = Arc::new(
+        tokio::task::spawn_blocking(RedisCluster::start)
+            .await
+            .unwrap(),
+    );
+    let store = store_on(&cluster);
+    let cached = watched_cache(&store);
+    let keys = keys();
+    complete_and_watch(&cluster, &cached, &keys).await;
+    let emptied = cluster.masters()[0];
+    let dbsize = |port| {
+        cluster
+            .cli(port, &["dbsize"])
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    assert!(dbsize(emptied) > 0, "the master to empty holds keys");
+    let moved = Arc::clone(&cluster);
+    tokio::task::spawn_blocking(move || moved.reshard(slots_of(&moved, emptied)))
+        .await
+        .unwrap();
+    assert_eq!(dbsize(emptied), 0, "every key moved");
+    // Asked for again until they are watched again: each round served past the bound without a
+    // script, once the watcher reads every key on its new master.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while scripts_past_the_bound(&cluster, &cached, &keys).await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "never watched again after the resharding"
+        );
+    }
+    forgotten_elsewhere(&store, &cached, &keys).await;
+}
+
+/// How many slots the master on `port` serves (its `myself` line of `CLUSTER NODES`).
+fn slots_of(cluster: &RedisCluster, port: u16) -> usize {
+    let nodes = cluster.cli(port, &["cluster", "nodes"]);
+    let myself = nodes.lines().find(|l| l.contains("myself")).unwrap();
+    myself
+        .split_whitespace()
+        .skip(8)
+        .map(|range| match range.split_once('-') {
+            Some((a, b)) => b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap() + 1,
+            None => 1,
+        })
+        .sum()
 }
