@@ -7,7 +7,7 @@ pub(crate) async fn drive(mut options: Options) {
     let cluster = options
         .only
         .iter()
-        .any(|s| s == "redis-cluster")
+        .any(|s| s.starts_with("redis-cluster"))
         .then(RedisServer::start_cluster);
     let valkey = options
         .only
@@ -81,7 +81,7 @@ pub(crate) async fn drive(mut options: Options) {
             };
             // The Redis whose CPU the run counts and which it empties first.
             let server = match (*setup, &cluster, &valkey) {
-                ("redis-cluster", Some(cluster), _) => cluster,
+                ("redis-cluster" | "redis-cluster-watched", Some(cluster), _) => cluster,
                 ("valkey" | "naive-valkey", _, Some(valkey)) => valkey,
                 _ => &redis,
             };
@@ -250,6 +250,7 @@ pub(crate) async fn measure(
                 | "redis-cached"
                 | "redis-watched"
                 | "redis-cluster"
+                | "redis-cluster-watched"
                 | "naive"
                 | "valkey"
                 | "naive-valkey"

@@ -31,7 +31,8 @@
 //! (replays from the server's memory, for at most 1 s after it stored or read them; on the
 //! memory store it shows what the cache itself costs a fresh key); "redis-watched" the Redis
 //! store behind `CachedStore` with its watcher (replays served for as long as Redis says their
-//! key has not changed, RESP3 client tracking).
+//! key has not changed, RESP3 client tracking); "redis-cluster-watched" the same on the cluster
+//! (a tracking connection per master).
 //!
 //! "node" and "node-single" are the Postgres store (batched, and one call a statement) on a
 //! PostgreSQL server this program starts; "citus-1" and "citus-2" the store built for Citus
@@ -79,7 +80,7 @@ use tower_idempotency::{
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 22] = [
+const SETUPS: [&str; 23] = [
     "bare",
     "memory",
     "memory-cached",
@@ -88,6 +89,7 @@ const SETUPS: [&str; 22] = [
     "redis-cached",
     "redis-watched",
     "redis-cluster",
+    "redis-cluster-watched",
     "naive-valkey",
     "valkey",
     "postgres",

@@ -75,6 +75,11 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
             )))),
             "valkey" => layered(Arc::new(redis_store(&valkey_url, &prefix))),
             "redis-cluster" => layered(Arc::new(cluster_store(&cluster, &prefix))),
+            "redis-cluster-watched" => {
+                let store = cluster_store(&cluster, &prefix);
+                let watcher = store.watcher();
+                layered(Arc::new(CachedStore::new(store).with_watcher(watcher)))
+            }
             "postgres" | "postgres-single" => layered(Arc::new(
                 postgres_store(&database_url, &schema)
                     .await
