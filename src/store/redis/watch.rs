@@ -423,3 +423,58 @@ fn at(seed: &ConnectionInfo, host: String, port: u16) -> ConnectionInfo {
     };
     seed.clone().set_addr(addr)
 }
+
+#[cfg(test)]
+mod tests {
+    use ::redis::IntoConnectionInfo;
+
+    use super::*;
+
+    /// A `CLUSTER SLOTS` entry: the range, its master, and a replica.
+    fn range(start: i64, end: i64, host: &str, port: i64) -> Vec<Value> {
+        let node = |host: &str, port: i64| {
+            let id = Value::BulkString(b"0123abcd".to_vec());
+            Value::Array(vec![Value::BulkString(host.into()), Value::Int(port), id])
+        };
+        vec![
+            Value::Int(start),
+            Value::Int(end),
+            node(host, port),
+            node("10.0.0.9", 7009),
+        ]
+    }
+
+    #[test]
+    fn every_slot_goes_to_its_master_reached_with_the_seeds_settings() {
+        let seed = "redis://app:secret@10.0.0.1:7000/"
+            .into_connection_info()
+            .unwrap();
+        let ranges = vec![
+            range(0, 5460, "10.0.0.1", 7000),
+            // A master that announces no host is at the seed's.
+            range(5461, 10922, "", 7001),
+            range(10923, 16383, "10.0.0.1", 7000),
+        ];
+        let (masters, slots) = parse_slots(&seed, ranges).unwrap();
+        let addresses: Vec<&ConnectionAddr> = masters.iter().map(ConnectionInfo::addr).collect();
+        assert_eq!(
+            addresses,
+            [
+                &ConnectionAddr::Tcp("10.0.0.1".into(), 7000),
+                &ConnectionAddr::Tcp("10.0.0.1".into(), 7001),
+            ],
+            "one connection per master, replicas left out"
+        );
+        assert!(
+            masters
+                .iter()
+                .all(|m| m.redis_settings().password() == Some("secret"))
+        );
+        assert_eq!(slots.len(), 16384);
+        let node = |slot| slots[&Slot::new(slot).unwrap()];
+        assert_eq!(
+            (node(0), node(5461), node(10922), node(16383)),
+            (0, 1, 1, 0)
+        );
+    }
+}
