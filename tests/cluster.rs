@@ -13,7 +13,9 @@ use std::{
 
 use axum::{Router, body::Body, routing::post};
 use http::{Request, StatusCode};
-use support::{Busy, RedisCluster, acquire, claim_request, database_url, pool_in_schema};
+use support::{
+    Busy, RedisCluster, acquire, claim_request, database_url, eventually, pool_in_schema,
+};
 use tower::ServiceExt;
 use tower_idempotency::{
     IdempotencyLayer, StoredResponse,
@@ -246,6 +248,11 @@ async fn the_doctor_checks_every_master_and_the_slot_coverage() {
 
 /// How many times each master ran `command` (lower case), failed calls left out.
 fn calls_per_master(cluster: &RedisCluster, command: &str) -> Vec<u64> {
+    calls_on(cluster, &cluster.masters(), command)
+}
+
+/// How many times each node of `ports` ran `command`.
+fn calls_on(cluster: &RedisCluster, ports: &[u16], command: &str) -> Vec<u64> {
     let field = |stats: &str, name: &str| -> u64 {
         stats
             .split(',')
@@ -253,10 +260,9 @@ fn calls_per_master(cluster: &RedisCluster, command: &str) -> Vec<u64> {
             .map_or(0, |value| value.parse().unwrap())
     };
     let line = format!("cmdstat_{command}:");
-    cluster
-        .masters()
-        .into_iter()
-        .map(|port| {
+    ports
+        .iter()
+        .map(|&port| {
             let info = cluster.cli(port, &["info", "commandstats"]);
             info.lines()
                 .find_map(|l| l.trim().strip_prefix(&line))
@@ -267,10 +273,10 @@ fn calls_per_master(cluster: &RedisCluster, command: &str) -> Vec<u64> {
         .collect()
 }
 
-/// A replay cache watched on `store`'s cluster, with a bound of [`BOUND`].
-fn watched_cache(store: &RedisStore) -> CachedStore<RedisStore> {
+/// A replay cache watched on `store`'s cluster, with a bound of `bound`.
+fn watched_cache(store: &RedisStore, bound: Duration) -> CachedStore<RedisStore> {
     CachedStore::new(store.clone())
-        .with_bound(BOUND)
+        .with_bound(bound)
         .with_watcher(store.watcher())
 }
 
@@ -325,13 +331,28 @@ async fn scripts_past_the_bound(
     cached: &CachedStore<RedisStore>,
     keys: &[String],
 ) -> u64 {
-    tokio::time::sleep(2 * BOUND).await;
-    let before: u64 = calls_per_master(cluster, "evalsha").iter().sum();
+    scripts_on(cluster, &cluster.masters(), cached, keys, BOUND).await
+}
+
+/// How many scripts reached the masters of `ports` (which hold `keys`) while every key was
+/// asked for again, past the cache's `bound`.
+async fn scripts_on(
+    cluster: &RedisCluster,
+    ports: &[u16],
+    cached: &CachedStore<RedisStore>,
+    keys: &[String],
+    bound: Duration,
+) -> u64 {
+    tokio::time::sleep(2 * bound).await;
+    let before: u64 = calls_on(cluster, ports, "evalsha").iter().sum();
     for key in keys {
-        let replay = cached.claim(&claim_request(key, LEASE)).await.unwrap();
+        // A master frozen, or failing over meanwhile, may keep the cluster from answering in
+        // the store's time: asked again (each attempt may count).
+        let request = claim_request(key, LEASE);
+        let replay = eventually(Duration::from_secs(10), key, || cached.claim(&request)).await;
         assert!(matches!(replay, ClaimOutcome::Completed { .. }), "{key}");
     }
-    calls_per_master(cluster, "evalsha").iter().sum::<u64>() - before
+    calls_on(cluster, ports, "evalsha").iter().sum::<u64>() - before
 }
 
 /// Forgets every key through `store` (another process), and waits until `cached` no longer
@@ -372,7 +393,7 @@ async fn the_replay_cache_is_told_by_every_master() {
         .await
         .unwrap();
     let store = store_on(&cluster);
-    let cached = watched_cache(&store);
+    let cached = watched_cache(&store, BOUND);
     let keys = keys();
     complete_and_watch(&cluster, &cached, &keys).await;
     let scripts = scripts_past_the_bound(&cluster, &cached, &keys).await;
@@ -392,7 +413,7 @@ async fn after_a_resharding_answers_are_watched_where_their_slots_went() {
             .unwrap(),
     );
     let store = store_on(&cluster);
-    let cached = watched_cache(&store);
+    let cached = watched_cache(&store, BOUND);
     let keys = keys();
     complete_and_watch(&cluster, &cached, &keys).await;
     let emptied = cluster.masters()[0];
@@ -419,6 +440,91 @@ async fn after_a_resharding_answers_are_watched_where_their_slots_went() {
         );
     }
     forgotten_elsewhere(&store, &cached, &keys).await;
+}
+
+/// One master's tracking connection killed: every watched answer goes back to the store (the
+/// watcher cannot know what that master would have told), and the watcher connects again and
+/// watches them anew. One master frozen (SIGSTOP): past the bound after the watcher last heard
+/// from every master, no watched answer is served from memory, those on the live masters
+/// included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_master_lost_or_silent_ends_what_the_watcher_vouches_for() {
+    let cluster = tokio::task::spawn_blocking(RedisCluster::start)
+        .await
+        .unwrap();
+    let store = store_on(&cluster);
+    // A bound well past the store's timeout (250 ms), so that a ping a frozen master never
+    // answers would still leave time to serve from memory if the others' answers were enough.
+    let bound = Duration::from_secs(1);
+    let cached = watched_cache(&store, bound);
+    let keys = keys();
+    complete_and_watch(&cluster, &cached, &keys).await;
+    let master = cluster.masters()[0];
+
+    let clients = cluster.cli(master, &["client", "list"]);
+    let tracking: Vec<&str> = clients
+        .lines()
+        .filter(|line| {
+            line.split(' ')
+                .any(|f| f.strip_prefix("flags=").is_some_and(|f| f.contains('t')))
+        })
+        .filter_map(|line| line.split(' ').find_map(|f| f.strip_prefix("id=")))
+        .collect();
+    assert_eq!(tracking.len(), 1, "one tracking connection per master");
+    cluster.cli(master, &["client", "kill", "id", tracking[0]]);
+    let masters = cluster.masters();
+    let scripts = scripts_on(&cluster, &masters, &cached, &keys, bound).await;
+    assert_eq!(
+        scripts,
+        keys.len() as u64,
+        "every answer went back to the store"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while scripts_on(&cluster, &masters, &cached, &keys, bound).await > 0 {
+        assert!(Instant::now() < deadline, "never watched again");
+    }
+
+    // The keys that live elsewhere than on the master about to be frozen.
+    let elsewhere: Vec<String> = keys
+        .iter()
+        .filter(|key| {
+            let record = claim_request(key, LEASE).record().clone();
+            let there = cluster.cli(master, &["exists", &store.record_key(&record)]);
+            there.trim() != "1"
+        })
+        .cloned()
+        .collect();
+    assert!(!elsewhere.is_empty() && elsewhere.len() < keys.len());
+    // Asked before the freeze: a frozen node answers no `redis-cli`.
+    let live: Vec<u16> = cluster
+        .masters()
+        .into_iter()
+        .filter(|&p| p != master)
+        .collect();
+    let frozen = Frozen::new(cluster.pid_of(master));
+    let scripts = scripts_on(&cluster, &live, &cached, &elsewhere, bound).await;
+    drop(frozen);
+    assert!(
+        scripts >= elsewhere.len() as u64,
+        "answers served from memory while a master was silent: {scripts} scripts for {} keys",
+        elsewhere.len()
+    );
+}
+
+/// A process stopped (SIGSTOP) until this is dropped.
+struct Frozen(u32);
+
+impl Frozen {
+    fn new(pid: u32) -> Self {
+        support::signal_pid(pid, "-STOP");
+        Self(pid)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        support::signal_pid(self.0, "-CONT");
+    }
 }
 
 /// How many slots the master on `port` serves (its `myself` line of `CLUSTER NODES`).

@@ -223,6 +223,12 @@ impl RedisCluster {
         port
     }
 
+    /// The process id of the node on `port`.
+    pub fn pid_of(&self, port: u16) -> u32 {
+        let index = self.ports.iter().position(|&p| p == port).unwrap();
+        self.nodes.lock().unwrap()[index].id()
+    }
+
     /// Kills a master (SIGKILL) and waits until its replica has taken over (after the node
     /// timeout, 1 s). Writes the master had not yet replicated are lost, as in production.
     /// Returns the port of the promoted replica.
