@@ -511,6 +511,76 @@ async fn one_master_lost_or_silent_ends_what_the_watcher_vouches_for() {
     );
 }
 
+/// A slot being migrated by hand (`CLUSTER SETSLOT … IMPORTING/MIGRATING`, its key moved with
+/// `MIGRATE`): the moved key's answer goes when its old master deletes it, and the watcher's
+/// read of it there is answered `ASK`. That key is left unwatched, and every other answer stays
+/// watched: no reconnection, nothing dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_in_a_migrating_slot_is_left_unwatched_and_the_others_stay_watched() {
+    let cluster = tokio::task::spawn_blocking(RedisCluster::start)
+        .await
+        .unwrap();
+    let store = store_on(&cluster);
+    let cached = watched_cache(&store, BOUND);
+    let keys = keys();
+    complete_and_watch(&cluster, &cached, &keys).await;
+    let (moving, others) = keys.split_first().unwrap();
+    let key = store.record_key(claim_request(moving, LEASE).record());
+    let roles = cluster.roles();
+    let masters: Vec<_> = roles.iter().filter(|r| r.2.is_none()).collect();
+    let holds = |port: u16| cluster.cli(port, &["exists", &key]).trim() == "1";
+    let source = masters.iter().find(|m| holds(m.0)).unwrap();
+    let target = masters.iter().find(|m| m.0 != source.0).unwrap();
+    let slot = cluster.cli(source.0, &["cluster", "keyslot", &key]);
+    let slot = slot.trim();
+    cluster.cli(
+        target.0,
+        &["cluster", "setslot", slot, "importing", &source.1],
+    );
+    cluster.cli(
+        source.0,
+        &["cluster", "setslot", slot, "migrating", &target.1],
+    );
+    let to = target.0.to_string();
+    cluster.cli(source.0, &["migrate", "127.0.0.1", &to, &key, "0", "5000"]);
+    assert_eq!(keys_in_slot(&cluster, target.0, slot), 1, "moved");
+    assert!(!holds(source.0));
+
+    // Asked for again: the store follows the `ASK`, and the watcher's read is answered `ASK`.
+    let asked = rejected_gets(&cluster, source.0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while rejected_gets(&cluster, source.0) == asked {
+        let replay = cached.claim(&claim_request(moving, LEASE)).await.unwrap();
+        assert!(matches!(replay, ClaimOutcome::Completed { .. }), "{moving}");
+        assert!(
+            Instant::now() < deadline,
+            "the watcher never read the moved key"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let scripts = scripts_past_the_bound(&cluster, &cached, others).await;
+    assert_eq!(scripts, 0, "the other answers were dropped");
+}
+
+/// How many keys the node of `port` holds in `slot`.
+fn keys_in_slot(cluster: &RedisCluster, port: u16, slot: &str) -> u64 {
+    let count = cluster.cli(port, &["cluster", "countkeysinslot", slot]);
+    count.trim().parse().unwrap()
+}
+
+/// How many `GET`s the node of `port` refused (redirected, on a cluster).
+fn rejected_gets(cluster: &RedisCluster, port: u16) -> u64 {
+    let info = cluster.cli(port, &["info", "commandstats"]);
+    info.lines()
+        .find_map(|l| l.trim().strip_prefix("cmdstat_get:"))
+        .and_then(|stats| {
+            stats
+                .split(',')
+                .find_map(|pair| pair.strip_prefix("rejected_calls=")?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 /// A process stopped (SIGSTOP) until this is dropped.
 struct Frozen(u32);
 

@@ -9,8 +9,8 @@ use std::{
 
 use ::redis::{
     AsyncConnectionConfig, Client, ConnectionAddr, ConnectionInfo, ErrorKind, ProtocolVersion,
-    PushInfo, PushKind, RedisError, ServerErrorKind, Value, aio::MultiplexedConnection,
-    cluster_routing::Slot,
+    PushInfo, PushKind, RedisError, RedisResult, ServerErrorKind, Value,
+    aio::MultiplexedConnection, cluster_routing::Slot,
 };
 use tokio::{
     sync::mpsc,
@@ -41,9 +41,10 @@ const BATCH: usize = 64;
 ///
 /// On a Redis Cluster it keeps one such connection to each master, reads each key on the
 /// master of its slot (the slots as `CLUSTER SLOTS` gave them when it connected), and hears
-/// from the cluster only when every master answered its ping. A read the cluster redirects (its
-/// slots moved since), or any master's connection lost, drops every watched answer, and the
-/// watcher connects again with the slots as they are then.
+/// from the cluster only when every master answered its ping. A read the cluster redirects for
+/// good (`MOVED`: its slots moved since), or any master's connection lost, drops every watched
+/// answer, and the watcher connects again with the slots as they are then. A key whose slot is
+/// being migrated (`ASK`) is left unwatched, and served for the cache's bound.
 #[derive(Debug, Clone)]
 pub struct RedisWatcher {
     shared: Arc<Shared>,
@@ -320,7 +321,8 @@ impl Tracking {
 
     /// Reads the keys of `batch` on the tracking connections (each on its master's), so that
     /// Redis tells of their next change, and tells the cache which still hold the answer it
-    /// keeps. A key a cluster redirects fails the read: its slots moved.
+    /// keeps. A key a cluster moved (`MOVED`) fails the read: the slots changed. A key in a
+    /// slot being migrated (`ASK`) is left unwatched.
     async fn read(
         &self,
         connections: &mut Connections,
@@ -342,9 +344,16 @@ impl Tracking {
             for &i in &mine {
                 pipeline.cmd("GET").arg(&keys[i]);
             }
-            let values: Vec<Option<Vec<u8>>> = pipeline.query_async(connection).await?;
+            let values: Vec<RedisResult<Option<Vec<u8>>>> =
+                pipeline.ignore_errors().query_async(connection).await?;
             for (i, value) in mine.into_iter().zip(values) {
-                self.holds(&batch[i], value.as_deref());
+                match value {
+                    Ok(value) => self.holds(&batch[i], value.as_deref()),
+                    // Its slot is migrating: left unwatched (served for the bound), the others
+                    // kept; the slots are read again when a key is moved for good (`MOVED`).
+                    Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::Ask) => {}
+                    Err(error) => return Err(error),
+                }
             }
         }
         batch.clear();
