@@ -273,11 +273,26 @@ fn calls_on(cluster: &RedisCluster, ports: &[u16], command: &str) -> Vec<u64> {
         .collect()
 }
 
-/// A replay cache watched on `store`'s cluster, with a bound of `bound`.
-fn watched_cache(store: &RedisStore, bound: Duration) -> CachedStore<RedisStore> {
-    CachedStore::new(store.clone())
+/// A cluster of its own, the store on it, a replay cache in front watched with `bound`, and
+/// [`keys`] completed through the cache and watched ([`complete_and_watch`]).
+struct Watched(
+    Arc<RedisCluster>,
+    RedisStore,
+    CachedStore<RedisStore>,
+    Vec<String>,
+);
+
+async fn watched_cluster(bound: Duration) -> Watched {
+    let cluster = tokio::task::spawn_blocking(RedisCluster::start)
+        .await
+        .unwrap();
+    let store = store_on(&cluster);
+    let cached = CachedStore::new(store.clone())
         .with_bound(bound)
-        .with_watcher(store.watcher())
+        .with_watcher(store.watcher());
+    let keys = keys();
+    complete_and_watch(&cluster, &cached, &keys).await;
+    Watched(Arc::new(cluster), store, cached, keys)
 }
 
 const BOUND: Duration = Duration::from_millis(300);
@@ -389,13 +404,7 @@ async fn forgotten_elsewhere(
 /// trip while nothing changes, and go the moment another process forgets them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_replay_cache_is_told_by_every_master() {
-    let cluster = tokio::task::spawn_blocking(RedisCluster::start)
-        .await
-        .unwrap();
-    let store = store_on(&cluster);
-    let cached = watched_cache(&store, BOUND);
-    let keys = keys();
-    complete_and_watch(&cluster, &cached, &keys).await;
+    let Watched(cluster, store, cached, keys) = watched_cluster(BOUND).await;
     let scripts = scripts_past_the_bound(&cluster, &cached, &keys).await;
     assert_eq!(scripts, 0, "replays past the bound reached the cluster");
     forgotten_elsewhere(&store, &cached, &keys).await;
@@ -407,15 +416,7 @@ async fn the_replay_cache_is_told_by_every_master() {
 /// and told from there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_resharding_answers_are_watched_where_their_slots_went() {
-    let cluster = Arc::new(
-        tokio::task::spawn_blocking(RedisCluster::start)
-            .await
-            .unwrap(),
-    );
-    let store = store_on(&cluster);
-    let cached = watched_cache(&store, BOUND);
-    let keys = keys();
-    complete_and_watch(&cluster, &cached, &keys).await;
+    let Watched(cluster, store, cached, keys) = watched_cluster(BOUND).await;
     let emptied = cluster.masters()[0];
     let dbsize = |port| {
         cluster
@@ -449,16 +450,10 @@ async fn after_a_resharding_answers_are_watched_where_their_slots_went() {
 /// included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_master_lost_or_silent_ends_what_the_watcher_vouches_for() {
-    let cluster = tokio::task::spawn_blocking(RedisCluster::start)
-        .await
-        .unwrap();
-    let store = store_on(&cluster);
     // A bound well past the store's timeout (250 ms), so that a ping a frozen master never
     // answers would still leave time to serve from memory if the others' answers were enough.
     let bound = Duration::from_secs(1);
-    let cached = watched_cache(&store, bound);
-    let keys = keys();
-    complete_and_watch(&cluster, &cached, &keys).await;
+    let Watched(cluster, store, cached, keys) = watched_cluster(bound).await;
     let master = cluster.masters()[0];
 
     let clients = cluster.cli(master, &["client", "list"]);
@@ -517,13 +512,7 @@ async fn one_master_lost_or_silent_ends_what_the_watcher_vouches_for() {
 /// watched: no reconnection, nothing dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_in_a_migrating_slot_is_left_unwatched_and_the_others_stay_watched() {
-    let cluster = tokio::task::spawn_blocking(RedisCluster::start)
-        .await
-        .unwrap();
-    let store = store_on(&cluster);
-    let cached = watched_cache(&store, BOUND);
-    let keys = keys();
-    complete_and_watch(&cluster, &cached, &keys).await;
+    let Watched(cluster, store, cached, keys) = watched_cluster(BOUND).await;
     let (moving, others) = keys.split_first().unwrap();
     let key = store.record_key(claim_request(moving, LEASE).record());
     let roles = cluster.roles();
