@@ -58,7 +58,7 @@ use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
 
 #[cfg(feature = "postgres")]
-use crate::protocol::deliver_in_transaction;
+use crate::protocol::{deliver_batch_in_transaction, deliver_in_transaction};
 use crate::{
     Fingerprint, IdempotencyClaim, IdempotencyKey, KeyError,
     protocol::{Delivered, Engine, State, deliver},
@@ -385,6 +385,94 @@ impl Once {
         let unit = (unit.record, unit.fingerprint);
         let delivered = deliver_in_transaction(engine, pool, unit, wait, encoded);
         answered(tracing::Instrument::instrument(delivered, span).await)
+    }
+
+    /// Runs the work of `units` in one transaction on a connection of `pool`, with their
+    /// claims and outcomes in it: [`run_in_transaction`](Self::run_in_transaction) for a
+    /// consumer's prefetch window, with one commit for the window instead of one per unit.
+    /// `work(i)` is the work of the unit at `i` in `units` (asked for each time that unit is
+    /// to run), which gets the transaction's connection; the answers come back in the units'
+    /// order, each what `run_in_transaction` would have given it.
+    ///
+    /// The units whose keys are free are worked first, one after the other, in one
+    /// transaction: their locks taken and their keys read in its first statement, their rows
+    /// written with their outcomes in one statement after the last one's work, and one commit.
+    /// Besides its work, a window of n units costs 4 round trips, against 3n for n
+    /// transactions without `Once`. They commit together or not at all. Every other unit is
+    /// then delivered on its own as `run_in_transaction` delivers it: one redelivered (its
+    /// outcome, `replayed`), held by another delivery (waited for up to
+    /// [`with_wait`](Self::with_wait)), another payload's, or a second unit of a key already in
+    /// the batch.
+    ///
+    /// When the batch does not commit, each unit is delivered on its own, which reads its key
+    /// first: a unit's work that fails rolls back the whole batch and is that unit's
+    /// [`WorkError::Failed`], and the other units run again, one transaction each (the work of
+    /// those before it ran twice, once rolled back: as in `run_in_transaction`, keep what is
+    /// not in the database out of the work). Likewise when a key of the batch was claimed
+    /// meanwhile by [`run`](Self::run) (which the locks do not hold back), or the commit's
+    /// answer was lost: a unit the batch did commit is then answered `replayed`. When no
+    /// connection or transaction could be had, no work ran and every unit gets
+    /// [`WorkError::Store`].
+    ///
+    /// The batch holds its free keys' locks until it commits, so deliveries of those keys in
+    /// this mode wait for it: keep a batch to what the broker delivered at once (its prefetch
+    /// window). The pauses between its statements are bounded by
+    /// [`with_lease`](Self::with_lease), as in `run_in_transaction`. Needs one Postgres (not
+    /// Citus).
+    ///
+    /// ```no_run
+    /// use tower_idempotency::{sqlx::{self, PgPool}, store::PostgresStore, work::{Once, Unit}};
+    ///
+    /// # async fn run(pool: PgPool, window: Vec<(String, Vec<u8>)>) -> Result<(), Box<dyn std::error::Error>> {
+    /// let once = Once::new(PostgresStore::new(pool.clone()));
+    /// let units = (window.iter())
+    ///     .map(|(order_id, payload)| Unit::new("orders", order_id, payload))
+    ///     .collect::<Result<Vec<_>, _>>()?;
+    /// let ship = |i: usize| {
+    ///     let order_id = &window[i].0;
+    ///     async move |tx: &mut sqlx::PgConnection| {
+    ///         sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
+    ///             .bind(order_id)
+    ///             .execute(&mut *tx)
+    ///             .await?;
+    ///         Ok::<_, sqlx::Error>(format!("shp_{order_id}"))
+    ///     }
+    /// };
+    /// for ((order_id, _), done) in window.iter().zip(once.run_batch_in_transaction(units, &pool, ship).await) {
+    ///     // Acknowledge each message that was delivered (its outcome is stored); leave the
+    ///     // others for the broker to deliver again.
+    ///     println!("{order_id}: {:?}", done.map(|done| done.value));
+    /// }
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    pub async fn run_batch_in_transaction<T, E, W>(
+        &self,
+        units: Vec<Unit>,
+        pool: &sqlx::PgPool,
+        mut work: impl FnMut(usize) -> W,
+    ) -> Vec<Result<Done<T>, WorkError<E>>>
+    where
+        T: Serialize + DeserializeOwned,
+        W: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<T, E>,
+    {
+        let encoded = |i: usize| {
+            let work = work(i);
+            async move |tx: &mut sqlx::PgConnection| -> Result<Bytes, Encoded<E>> {
+                let value = work(tx).await.map_err(Encoded::Work)?;
+                serde_json::to_vec(&value)
+                    .map(Bytes::from)
+                    .map_err(Encoded::Json)
+            }
+        };
+        let span = tracing::info_span!("idempotency_units", units = units.len());
+        let (engine, wait) = (&self.engine, self.engine.settings.wait);
+        let units: Vec<_> = (units.into_iter())
+            .map(|unit| (unit.record, unit.fingerprint))
+            .collect();
+        let delivered = deliver_batch_in_transaction(engine, pool, &units, wait, encoded);
+        let delivered = tracing::Instrument::instrument(delivered, span).await;
+        delivered.into_iter().map(answered).collect()
     }
 
     /// A span per delivery, as per guarded request: key and scope as pseudonyms.

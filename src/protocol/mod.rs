@@ -28,9 +28,9 @@ use tokio::{sync::oneshot, time::Instant};
 use tower_service::Service;
 use uuid::Uuid;
 
-#[cfg(feature = "postgres")]
-pub(crate) use self::work::deliver_in_transaction;
 pub(crate) use self::work::{Delivered, deliver};
+#[cfg(feature = "postgres")]
+pub(crate) use self::work::{deliver_batch_in_transaction, deliver_in_transaction};
 use self::{
     claim::Grant,
     handle::Handled,

@@ -393,3 +393,183 @@ fn already<E>(seen: crate::store::unit::Seen, lease: Duration) -> Delivered<E> {
         Seen::Free | Seen::Expired(_) => Delivered::Superseded,
     }
 }
+
+/// Runs the work of `units` in one transaction on a connection of `pool`, their claims and
+/// outcomes in that same transaction ([`crate::work::Once::run_batch_in_transaction`]): what
+/// became of each, in order. `work(i)` is the work of the unit at `i`, asked for each time it
+/// is to run. Each unit counts in `idempotency_units_total` as a delivery.
+///
+/// The units whose keys are free (and not an earlier unit's of the batch) are worked one after
+/// the other, their rows written in one statement and committed together ([`batch`]). Every
+/// other unit, and every unit of a batch that did not commit (its rows taken meanwhile by an
+/// owner in the other mode, a statement failed, the commit's answer lost), is then delivered on
+/// its own through [`deliver_in_transaction`], which reads what its key holds.
+#[cfg(feature = "postgres")]
+pub(crate) async fn deliver_batch_in_transaction<W, E>(
+    engine: &Engine,
+    pool: &sqlx::PgPool,
+    units: &[(RecordKey, Fingerprint)],
+    wait: Duration,
+    mut work: impl FnMut(usize) -> W,
+) -> Vec<Delivered<E>>
+where
+    W: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
+{
+    let mut delivered: Vec<Option<Delivered<E>>> = units.iter().map(|_| None).collect();
+    let mut ended = |i: usize, unit: Delivered<E>| {
+        engine.telemetry.unit(unit.outcome());
+        delivered[i] = Some(unit);
+    };
+    match batch(engine, pool, units, &mut work).await {
+        Batch::Committed(executed) => {
+            for (i, outcome) in executed {
+                engine.state.waiters.wake(&units[i].0);
+                ended(i, Delivered::Executed(outcome));
+            }
+        }
+        Batch::Failed(i, error) => ended(i, Delivered::Failed(error)),
+        Batch::Unreachable(error) => {
+            let (kind, error) = (engine.settings.store.kind(), Arc::new(error));
+            for i in 0..units.len() {
+                ended(
+                    i,
+                    Delivered::Store(StoreError::backend(kind, Arc::clone(&error))),
+                );
+            }
+        }
+        Batch::Undecided => {}
+    }
+    for (i, slot) in delivered.iter_mut().enumerate() {
+        if slot.is_none() {
+            let unit = units[i].clone();
+            *slot = Some(deliver_in_transaction(engine, pool, unit, wait, work(i)).await);
+        }
+    }
+    delivered.into_iter().flatten().collect()
+}
+
+/// How the one transaction of [`batch`] ended.
+#[cfg(feature = "postgres")]
+enum Batch<E> {
+    /// Committed: the units worked in it, by index, with their outcomes.
+    Committed(Vec<(usize, Bytes)>),
+    /// This unit's work failed: the transaction rolled back.
+    Failed(usize, E),
+    /// No connection, or no transaction: no work ran.
+    Unreachable(StoreError),
+    /// Rolled back, or its commit unanswered: each unit's key says.
+    Undecided,
+}
+
+/// The transaction of [`deliver_batch_in_transaction`]: the free keys' locks taken and the
+/// transaction's pauses bounded by the lease in its first statement, their units worked in it
+/// one after the other, their rows written in one statement, one commit. The connection is
+/// closed, not handed back, when the transaction did not end cleanly (or this is dropped).
+#[cfg(feature = "postgres")]
+async fn batch<W, E>(
+    engine: &Engine,
+    pool: &sqlx::PgPool,
+    units: &[(RecordKey, Fingerprint)],
+    work: &mut impl FnMut(usize) -> W,
+) -> Batch<E>
+where
+    W: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
+{
+    use crate::store::unit;
+    use sqlx::Connection;
+    let settings = &engine.settings;
+    let mut held = match unit::Held::acquire(pool).await {
+        Ok(held) => held,
+        Err(error) => return Batch::Unreachable(error),
+    };
+    let mut tx = match held.connection().begin().await {
+        Ok(tx) => tx,
+        Err(error) => return Batch::Unreachable(unit::backend(error)),
+    };
+    let records: Vec<&RecordKey> = units.iter().map(|(record, _)| record).collect();
+    let free = match unit::begin_batch(&mut tx, &records, settings.lease).await {
+        Ok(free) => free,
+        Err(error) => return Batch::Unreachable(error),
+    };
+    let executed = match work_free(engine, &mut tx, (&records, &free), work).await {
+        Ok(executed) => executed,
+        Err((i, error)) => {
+            if tx.rollback().await.is_ok() {
+                held.ended();
+            }
+            return Batch::Failed(i, error);
+        }
+    };
+    let written = executed.is_empty() || write_rows(engine, &mut tx, units, &executed).await;
+    if !written {
+        if tx.rollback().await.is_ok() {
+            held.ended();
+        }
+        return Batch::Undecided;
+    }
+    match tx.commit().await {
+        Ok(()) => {
+            held.ended();
+            Batch::Committed(executed)
+        }
+        Err(error) => {
+            tracing::debug!(%error, "a batch's commit: each unit's key says how it ended");
+            Batch::Undecided
+        }
+    }
+}
+
+/// The work of each unit of [`batch`] whose key is `free` and not an earlier unit's, in order
+/// in the transaction on `tx`: their outcomes by index, or the first error, by its unit's.
+#[cfg(feature = "postgres")]
+async fn work_free<W, E>(
+    engine: &Engine,
+    tx: &mut sqlx::PgConnection,
+    (records, free): (&[&RecordKey], &[bool]),
+    work: &mut impl FnMut(usize) -> W,
+) -> Result<Vec<(usize, Bytes)>, (usize, E)>
+where
+    W: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
+{
+    let mut executed = Vec::new();
+    for (i, record) in records.iter().enumerate() {
+        if !free[i] || records[..i].contains(record) {
+            continue;
+        }
+        let started = Instant::now();
+        let outcome = work(i)(&mut *tx).await.map_err(|error| (i, error))?;
+        engine.telemetry.handler_took(started.elapsed());
+        executed.push((i, outcome));
+    }
+    Ok(executed)
+}
+
+/// The rows of [`batch`]'s `executed` units, completed with their outcomes, in the transaction
+/// on `tx`: whether they were written (not when a key has another delivery's row, or the
+/// statement failed).
+#[cfg(feature = "postgres")]
+async fn write_rows(
+    engine: &Engine,
+    tx: &mut sqlx::PgConnection,
+    units: &[(RecordKey, Fingerprint)],
+    executed: &[(usize, Bytes)],
+) -> bool {
+    let rows: Vec<crate::store::unit::Written<'_>> = (executed.iter())
+        .map(|(i, outcome)| {
+            let (record, fingerprint) = &units[*i];
+            (
+                record,
+                fingerprint,
+                StoredResponse::of_outcome(outcome.clone()),
+            )
+        })
+        .collect();
+    let retention = engine.settings.retention;
+    match crate::store::unit::complete_batch(tx, &rows, retention).await {
+        Ok(written) => written,
+        Err(error) => {
+            tracing::debug!(%error, "a batch's rows: each unit's key says how it ended");
+            false
+        }
+    }
+}

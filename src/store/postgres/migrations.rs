@@ -87,6 +87,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "units begin when free",
         include_str!("../../../migrations/20261202000003_units_begin_when_free.sql"),
     ),
+    (
+        20261203000000,
+        "units in batches",
+        include_str!("../../../migrations/20261203000000_units_in_batches.sql"),
+    ),
 ];
 
 /// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 4 ways:

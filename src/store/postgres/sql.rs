@@ -523,6 +523,24 @@ VALUES ($1, $2, $3, 'completed', $4, nextval('idempotency_fence'), clock_timesta
         clock_timestamp() + $5::float8 * interval '1 millisecond', $6, $7)
 ";
 
+/// Units in one transaction, first: the transaction's pauses bounded by $3 ms, and per unit
+/// (scopes $1, keys $2) whether its key is free, its lock taken if so (migration
+/// `20261203000000`).
+pub(super) const UNITS_BEGIN_FREE: &str = "SELECT idempotency_units_begin_free($1, $2, $3)";
+
+/// Units in one transaction, last: their rows, as [`UNIT_INSERT`] writes one, in one statement
+/// (scopes $1, keys $2, fingerprints $3, owners $4, statuses $6, answers $7, all kept for
+/// $5 ms). A key of the batch with a row already is a unique violation.
+pub(super) const UNITS_INSERT: &str = r"
+INSERT INTO idempotency_keys
+    (scope, key, fingerprint, state, owner, fence, lease_until, expires_at, status, response)
+SELECT u.scope, u.key, u.fingerprint, 'completed', u.owner, nextval('idempotency_fence'),
+       clock_timestamp(), clock_timestamp() + $5::float8 * interval '1 millisecond', u.status,
+       u.response
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::uuid[], $6::int2[], $7::bytea[])
+    AS u(scope, key, fingerprint, owner, status, response)
+";
+
 /// A unit in its own transaction, last, in place of the expired row it read (fence $8): the
 /// same, never over another row.
 pub(super) const UNIT_REPLACE: &str = r"

@@ -190,3 +190,62 @@ pub(crate) async fn complete(
         Err(error) => Err(backend(error)),
     }
 }
+
+/// A unit of a batch, as its row is written: its key, its request's fingerprint and its
+/// outcome.
+pub(crate) type Written<'a> = (&'a RecordKey, &'a Fingerprint, StoredResponse);
+
+/// Bounds the pauses of the transaction on `connection` by `lease`, and says per unit of
+/// `records` whether its key is free: no row, and its lock taken now, in the transaction
+/// (`UNITS_BEGIN_FREE`).
+pub(crate) async fn begin_batch(
+    connection: &mut PgConnection,
+    records: &[&RecordKey],
+    lease: Duration,
+) -> Result<Vec<bool>, StoreError> {
+    let scopes: Vec<&str> = records.iter().map(|r| r.scope()).collect();
+    let keys: Vec<&str> = records.iter().map(|r| r.key().as_str()).collect();
+    let free: Vec<bool> = sqlx::query_scalar(UNITS_BEGIN_FREE)
+        .bind(scopes)
+        .bind(keys)
+        .bind(millis(lease))
+        .fetch_one(connection)
+        .await
+        .map_err(backend)?;
+    if free.len() != records.len() {
+        let answered = format!("{} answers for {} units", free.len(), records.len());
+        return Err(backend(sqlx::Error::Protocol(answered)));
+    }
+    Ok(free)
+}
+
+/// Writes the rows of `units`, each completed with its outcome and kept for `retention`, in
+/// the transaction on `connection`, in one statement. `false` when a key of theirs has a row
+/// already, another delivery's (the transaction is aborted: roll back, and read the keys).
+pub(crate) async fn complete_batch(
+    connection: &mut PgConnection,
+    units: &[Written<'_>],
+    retention: Duration,
+) -> Result<bool, StoreError> {
+    let scopes: Vec<&str> = units.iter().map(|u| u.0.scope()).collect();
+    let keys: Vec<&str> = units.iter().map(|u| u.0.key().as_str()).collect();
+    let fingerprints: Vec<&[u8]> = units.iter().map(|u| &u.1.as_bytes()[..]).collect();
+    let owners: Vec<uuid::Uuid> = units.iter().map(|_| uuid::Uuid::new_v4()).collect();
+    let statuses: Vec<i16> = units.iter().map(|u| u.2.status().as_u16() as i16).collect();
+    let answers: Vec<Bytes> = units.iter().map(|u| u.2.encode()).collect();
+    let written = sqlx::query(UNITS_INSERT)
+        .bind(scopes)
+        .bind(keys)
+        .bind(fingerprints)
+        .bind(owners)
+        .bind(millis(retention))
+        .bind(statuses)
+        .bind(answers.iter().map(|a| &a[..]).collect::<Vec<_>>())
+        .execute(connection)
+        .await;
+    match written {
+        Ok(done) => Ok(done.rows_affected() == units.len() as u64),
+        Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
+        Err(error) => Err(backend(error)),
+    }
+}
