@@ -192,6 +192,18 @@ async fn nats_jetstream_consumers_ship_each_order_once() {
     consumers_ship_each_order_once(BrokerKind::Nats, "nats_consumer", &env).await;
 }
 
+/// What a consumer was delivered at once, in one transaction (`IDEMPOTENCY_UNITS=batch`):
+/// the copies of an order in one batch, the kill and the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_consumers_in_batches_ship_each_order_once() {
+    let env = [
+        ("WORK_MS", "100"),
+        ("PREFETCH", "4"),
+        ("IDEMPOTENCY_UNITS", "batch"),
+    ];
+    consumers_ship_each_order_once(BrokerKind::RabbitMq, "rabbitmq_consumer", &env).await;
+}
+
 /// The examples' default: each delivery's claim in its shipment's transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_consumers_ship_each_order_once() {

@@ -14,6 +14,7 @@
 use futures_util::{StreamExt, TryStreamExt};
 use lapin::{
     BasicProperties, Connection, ConnectionProperties,
+    message::Delivery,
     options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, QueueDeclareOptions},
     types::FieldTable,
 };
@@ -37,18 +38,41 @@ const PREFETCH: u16 = 10;
 /// about 4,000 here); a kind that empties the queue is measured until its last acknowledgement.
 const FILL_PER_SECOND: usize = 5_000;
 
+/// How a consumer takes its deliveries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Taking {
+    /// One delivery at a time, as the examples did first.
+    OneAtATime,
+    /// The whole prefetch window at once, each delivery in a transaction of its own (so that
+    /// the store's claims and completions of concurrent deliveries go out together).
+    Window,
+    /// What the broker delivered at once (up to the prefetch window) as one batch: one
+    /// transaction for the batch's shipments (through `Once::run_batch_in_transaction`, with
+    /// their claims and outcomes), `BATCHES` batches at a time.
+    Batches,
+}
+
+/// Batches a consumer works on at once: while one commits, the next fills.
+const BATCHES: usize = 2;
+
 /// The consumer kinds, by name: how each claims through `Once` (`None`: it does not), and how
-/// many deliveries a consumer works on at once.
-pub(crate) const CONSUMER_KINDS: [(&str, Option<Units>, u16); 5] = [
-    ("bare", None, PREFETCH),
-    ("once", Some(Units::Leased), PREFETCH),
+/// it takes its deliveries.
+pub(crate) const CONSUMER_KINDS: [(&str, Option<Units>, Taking); 7] = [
+    ("bare", None, Taking::Window),
+    ("once", Some(Units::Leased), Taking::Window),
     (
         "once, in its transaction",
         Some(Units::InTransaction),
-        PREFETCH,
+        Taking::Window,
     ),
-    ("bare, one at a time", None, 1),
-    ("once, one at a time", Some(Units::Leased), 1),
+    ("bare, one at a time", None, Taking::OneAtATime),
+    (
+        "once, one at a time",
+        Some(Units::Leased),
+        Taking::OneAtATime,
+    ),
+    ("bare, in batches", None, Taking::Batches),
+    ("once, in batches", Some(Units::InBatches), Taking::Batches),
 ];
 
 /// The broker, or `None` (and why) when none answers at `AMQP_URL`.
@@ -123,7 +147,7 @@ impl Reading {
 pub(crate) async fn measure_consumers(
     url: &str,
     (database_url, schema): (&str, &str),
-    (units, window): (Option<Units>, u16),
+    (units, taking): (Option<Units>, Taking),
     seconds: Duration,
 ) -> Consumed {
     let run = Uuid::new_v4().simple().to_string();
@@ -146,7 +170,7 @@ pub(crate) async fn measure_consumers(
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + seconds;
     let consumers = shippings.iter().map(|(shipping, pool)| {
-        let (acked, kind) = (Arc::clone(&acked), (units.is_some(), window));
+        let (acked, kind) = (Arc::clone(&acked), (units.is_some(), taking));
         consume(
             url, &queue, shipping, pool, kind, deadline, acked, published,
         )
@@ -241,7 +265,7 @@ async fn consume(
     queue: &str,
     shipping: &shipping::Shipping,
     pool: &PgPool,
-    (once, window): (bool, u16),
+    (once, taking): (bool, Taking),
     deadline: tokio::time::Instant,
     acked: Arc<AtomicU64>,
     published: u64,
@@ -265,12 +289,53 @@ async fn consume(
         .unwrap();
     let last = std::sync::Mutex::new(Instant::now());
     let drained = || acked.load(Relaxed) >= published;
-    deliveries
+    let deliveries = deliveries
         .take_until(tokio::time::sleep_until(deadline))
-        .take_while(|_| std::future::ready(!drained()))
-        .try_for_each_concurrent(usize::from(window), |delivery| {
-            let (acked, last) = (&acked, &last);
-            async move {
+        .take_while(|_| std::future::ready(!drained()));
+    // Acknowledges `done`, counting it.
+    let acknowledge = async |done: &[Delivery]| -> lapin::Result<()> {
+        for delivery in done {
+            delivery.ack(BasicAckOptions::default()).await?;
+        }
+        acked.fetch_add(done.len() as u64, Relaxed);
+        *last.lock().unwrap() = Instant::now();
+        Ok(())
+    };
+    let window = usize::from(PREFETCH);
+    let consumed = match taking {
+        Taking::Batches => {
+            let batches = deliveries.ready_chunks(window).map(Ok::<_, lapin::Error>);
+            let batches = batches.try_for_each_concurrent(BATCHES, |batch| async move {
+                let batch: Vec<Delivery> = batch.into_iter().collect::<Result<_, _>>()?;
+                let ids: Vec<String> = (batch.iter())
+                    .map(|d| {
+                        d.properties
+                            .message_id()
+                            .clone()
+                            .unwrap_or_default()
+                            .to_string()
+                    })
+                    .collect();
+                let shipped = if once {
+                    let window: Vec<(&str, &[u8])> = (ids.iter().zip(&batch))
+                        .map(|(id, d)| (id.as_str(), &d.data[..]))
+                        .collect();
+                    shipping
+                        .ship_window(&window)
+                        .await
+                        .into_iter()
+                        .all(|ack| ack)
+                } else {
+                    ship_bare_batch(pool, &ids).await
+                };
+                assert!(shipped, "orders {ids:?} were not all shipped");
+                acknowledge(&batch).await
+            });
+            Box::pin(batches).await
+        }
+        Taking::OneAtATime | Taking::Window => {
+            let at_once = if taking == Taking::Window { window } else { 1 };
+            let each = deliveries.try_for_each_concurrent(at_once, |delivery| async move {
                 let order_id = delivery.properties.message_id().clone().unwrap_or_default();
                 let shipped = if once {
                     shipping.ship(order_id.as_str(), &delivery.data).await
@@ -278,16 +343,27 @@ async fn consume(
                     ship_bare(pool, order_id.as_str()).await
                 };
                 assert!(shipped, "order {order_id} was not shipped");
-                delivery.ack(BasicAckOptions::default()).await?;
-                acked.fetch_add(1, Relaxed);
-                *last.lock().unwrap() = Instant::now();
-                Ok(())
-            }
-        })
-        .await
-        .unwrap();
+                acknowledge(std::slice::from_ref(&delivery)).await
+            });
+            Box::pin(each).await
+        }
+    };
+    consumed.unwrap();
     let _ = connection.close(200, "consumed".into()).await;
     last.into_inner().unwrap()
+}
+
+/// The shipments of `order_ids` in one transaction, as a batch is written without `Once`.
+async fn ship_bare_batch(pool: &PgPool, order_ids: &[String]) -> bool {
+    let mut tx = pool.begin().await.unwrap();
+    for order_id in order_ids {
+        sqlx::query("INSERT INTO shipments (order_id, consumer) VALUES ($1, 'bare')")
+            .bind(order_id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.is_ok()
 }
 
 /// The shipment alone, in its own transaction, as the shipping step writes it without `Once`.

@@ -105,10 +105,10 @@ pub(crate) async fn drive(mut options: Options) {
             eprintln!("round {round} floor {name}: {floor:.0}/s");
             floors.entry(name).or_default().push(floor);
         }
-        for (name, units, window) in broker.iter().flat_map(|_| CONSUMER_KINDS) {
+        for (name, units, taking) in broker.iter().flat_map(|_| CONSUMER_KINDS) {
             let url = broker.as_deref().unwrap_or_default();
             let store = (database_url.as_str(), schema.as_str());
-            let run = measure_consumers(url, store, (units, window), seconds).await;
+            let run = measure_consumers(url, store, (units, taking), seconds).await;
             eprintln!("round {round} consumer {name}: {run:?}");
             consumed.entry(name).or_default().push(run);
         }

@@ -304,6 +304,16 @@ pub(crate) fn print_consumers(consumed: &BTreeMap<&str, Vec<Consumed>>) {
             "once, one at a time",
             "through Once, the window at once vs one at a time",
         ),
+        (
+            "once, in batches",
+            "bare, in batches",
+            "through Once in batches vs bare in batches",
+        ),
+        (
+            "once, in batches",
+            "bare",
+            "through Once in batches vs bare, a transaction per message",
+        ),
     ] {
         if let Some(ratio) = ratio(a, b) {
             println!("- consumers {what}: {ratio:.2}×");

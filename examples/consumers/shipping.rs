@@ -9,7 +9,7 @@ use sqlx::{PgConnection, PgPool, postgres::PgPoolOptions};
 use tower_idempotency::{
     IdempotencyClaim,
     store::{PostgresStore, Store},
-    work::{Once, Unit, WorkError},
+    work::{Done, Once, Unit, WorkError},
 };
 
 /// An environment variable, or `default`.
@@ -51,15 +51,20 @@ pub enum Units {
     /// Under a lease renewed while it works, the shipment fenced (`Once::run`):
     /// `IDEMPOTENCY_UNITS=lease`.
     Leased,
+    /// A window of deliveries in one transaction, their shipments, claims and outcomes
+    /// together (`Once::run_batch_in_transaction`, through [`Shipping::ship_window`]):
+    /// `IDEMPOTENCY_UNITS=batch`. A delivery shipped alone is shipped as in its transaction.
+    InBatches,
 }
 
 impl Units {
-    /// `IDEMPOTENCY_UNITS`: `transaction` (the default) or `lease`.
+    /// `IDEMPOTENCY_UNITS`: `transaction` (the default), `lease` or `batch`.
     pub fn from_env() -> Self {
         match var("IDEMPOTENCY_UNITS", "transaction").as_str() {
             "lease" => Self::Leased,
             "transaction" => Self::InTransaction,
-            other => panic!("IDEMPOTENCY_UNITS={other}: `transaction` or `lease`"),
+            "batch" => Self::InBatches,
+            other => panic!("IDEMPOTENCY_UNITS={other}: `transaction`, `lease` or `batch`"),
         }
     }
 }
@@ -134,6 +139,12 @@ impl Shipping {
         }
     }
 
+    /// How its deliveries claim their orders.
+    #[allow(dead_code)] // The RabbitMQ example's.
+    pub fn units(&self) -> Units {
+        self.units
+    }
+
     /// One delivery of `order_id`'s message: the shipment, once per order, its outcome stored
     /// with it. Whether to acknowledge the message: not when it was not delivered (it failed,
     /// or another delivery still runs it), so that the broker delivers it again.
@@ -147,7 +158,7 @@ impl Shipping {
         let shipped = match self.units {
             // The shipment, the claim and the outcome in one transaction: one commit, and a
             // delivery that dies or stalls past its lease commits none of them.
-            Units::InTransaction => {
+            Units::InTransaction | Units::InBatches => {
                 let ship = async |tx: &mut PgConnection| {
                     tokio::time::sleep(work).await;
                     sqlx::query(insert)
@@ -182,23 +193,66 @@ impl Shipping {
                 self.once.run(unit, ship).await
             }
         };
-        match shipped {
-            Ok(done) => {
-                let outcome = &done.value;
-                tracing::info!(order = %order_id, replayed = done.replayed, %outcome, "delivered");
-                true
+        delivered(order_id, shipped)
+    }
+
+    /// A window of deliveries at once, in one transaction: each order's shipment, once per
+    /// order, its outcome stored with it (`Once::run_batch_in_transaction`). Whether to
+    /// acknowledge each, as [`ship`](Self::ship) says.
+    #[allow(dead_code)] // The RabbitMQ example's and the benchmark's.
+    pub async fn ship_window(&self, window: &[(&str, &[u8])]) -> Vec<bool> {
+        let mut acks = vec![true; window.len()];
+        let (at, units): (Vec<usize>, Vec<Unit>) = (window.iter().enumerate())
+            .filter_map(
+                |(i, (order_id, payload))| match Unit::new("orders", order_id, payload) {
+                    Ok(unit) => Some((i, unit)),
+                    Err(_) => {
+                        tracing::error!(%order_id, "a message without a valid order id: dropped");
+                        None
+                    }
+                },
+            )
+            .unzip();
+        let (consumer, work) = (&self.consumer, self.work);
+        let ship = |n: usize| {
+            let order_id = window[at[n]].0;
+            async move |tx: &mut PgConnection| {
+                tokio::time::sleep(work).await;
+                sqlx::query("INSERT INTO shipments (order_id, consumer) VALUES ($1, $2)")
+                    .bind(order_id)
+                    .bind(consumer)
+                    .execute(&mut *tx)
+                    .await?;
+                Ok::<_, sqlx::Error>(format!("shipped by {consumer}"))
             }
-            Err(
-                error
-                @ (WorkError::Mismatch | WorkError::OutcomeUnknown | WorkError::AnswerExpired),
-            ) => {
-                tracing::error!(order = %order_id, %error, "dropped: it will never ship again");
-                true
-            }
-            Err(error) => {
-                tracing::warn!(order = %order_id, %error, "not delivered; the broker redelivers it");
-                false
-            }
+        };
+        let shipped = self.once.run_batch_in_transaction(units, &self.pool, ship);
+        for (n, shipped) in shipped.await.into_iter().enumerate() {
+            acks[at[n]] = delivered(window[at[n]].0, shipped);
+        }
+        acks
+    }
+}
+
+/// Whether to acknowledge `order_id`'s message, now that `Once` said what became of it: not
+/// when it was not delivered (it failed, or another delivery still runs it), so that the
+/// broker delivers it again.
+fn delivered(order_id: &str, shipped: Result<Done<String>, WorkError<sqlx::Error>>) -> bool {
+    match shipped {
+        Ok(done) => {
+            let outcome = &done.value;
+            tracing::info!(order = %order_id, replayed = done.replayed, %outcome, "delivered");
+            true
+        }
+        Err(
+            error @ (WorkError::Mismatch | WorkError::OutcomeUnknown | WorkError::AnswerExpired),
+        ) => {
+            tracing::error!(order = %order_id, %error, "dropped: it will never ship again");
+            true
+        }
+        Err(error) => {
+            tracing::warn!(order = %order_id, %error, "not delivered; the broker redelivers it");
+            false
         }
     }
 }
