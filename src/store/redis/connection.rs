@@ -93,17 +93,10 @@ impl Connection {
         let slots = connection
             .route_command(::redis::cmd("CLUSTER").arg("SLOTS").clone(), routing)
             .await?;
-        // Each entry: start slot, end slot, then the master as [host, port, id, …], replicas.
-        let slots: Vec<Vec<Value>> = ::redis::from_redis_value(slots.extract_error()?)?;
-        let mut masters = Vec::new();
-        for range in slots {
-            let or_nil = |value: Option<Value>| value.unwrap_or(Value::Nil);
-            let master: Vec<Value> = ::redis::from_redis_value(or_nil(range.into_iter().nth(2)))?;
-            let mut master = master.into_iter();
-            let host: String = ::redis::from_redis_value(or_nil(master.next()))?;
-            let port: u16 = ::redis::from_redis_value(or_nil(master.next()))?;
-            masters.push(Some((host, port)));
-        }
+        let slots = ::redis::from_redis_value(slots.extract_error()?)?;
+        let mut masters: Vec<Node> = (slot_ranges(slots)?.into_iter())
+            .map(|(_, master)| Some(master))
+            .collect();
         masters.sort();
         masters.dedup();
         Ok(masters)
@@ -129,4 +122,25 @@ impl Connection {
             (connection, _) => pipeline.query_async(connection).await,
         }
     }
+}
+
+/// A range of slots, first and last, and its master's host and port.
+pub(super) type SlotRange = ((u16, u16), (String, u16));
+
+/// The entries of a `CLUSTER SLOTS` answer: each range's first and last slot and its master's
+/// host (empty when the master announces none) and port. Each entry is the start slot, the end
+/// slot, then the master as `[host, port, id, …]`, then its replicas (left out).
+pub(super) fn slot_ranges(ranges: Vec<Vec<Value>>) -> Result<Vec<SlotRange>, RedisError> {
+    fn from<T: ::redis::FromRedisValue>(value: Option<Value>) -> Result<T, RedisError> {
+        ::redis::from_redis_value(value.unwrap_or(Value::Nil)).map_err(Into::into)
+    }
+    let mut entries = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        let mut range = range.into_iter();
+        let (start, end) = (from(range.next())?, from(range.next())?);
+        let master: Vec<Value> = from(range.next())?;
+        let mut master = master.into_iter();
+        entries.push(((start, end), (from(master.next())?, from(master.next())?)));
+    }
+    Ok(entries)
 }

@@ -17,7 +17,11 @@ use tokio::{
     time::{Instant, MissedTickBehavior},
 };
 
-use super::{RedisStore, connection::Backend, record::Record};
+use super::{
+    RedisStore,
+    connection::{Backend, slot_ranges},
+    record::Record,
+};
 use crate::store::{Changes, Watch, Watcher};
 
 /// Watches asked for and not yet sent to Redis, at most; more are dropped (their answers are
@@ -382,15 +386,7 @@ fn parse_slots(
 ) -> Result<(Vec<ConnectionInfo>, HashMap<Slot, usize>), RedisError> {
     let mut masters: Vec<(String, u16)> = Vec::new();
     let mut slots = HashMap::new();
-    for range in ranges {
-        let mut range = range.into_iter();
-        let mut next = || range.next().unwrap_or(Value::Nil);
-        let (start, end): (u16, u16) = (from(next())?, from(next())?);
-        let master: Vec<Value> = from(next())?;
-        let mut master = master.into_iter();
-        let host: String = from(master.next().unwrap_or(Value::Nil))?;
-        let port: u16 = from(master.next().unwrap_or(Value::Nil))?;
-        let address = (host, port);
+    for ((start, end), address) in slot_ranges(ranges)? {
         let node = masters
             .iter()
             .position(|m| *m == address)
@@ -405,10 +401,6 @@ fn parse_slots(
         .map(|(host, port)| at(seed, host, port))
         .collect();
     Ok((masters, slots))
-}
-
-fn from<T: ::redis::FromRedisValue>(value: Value) -> Result<T, RedisError> {
-    ::redis::from_redis_value(value).map_err(Into::into)
 }
 
 /// `seed`'s settings at `host:port` (the seed's host where the cluster gives none).
