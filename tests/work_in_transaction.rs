@@ -100,6 +100,69 @@ async fn writers(pool: &PgPool, key: &str) -> (String, String) {
     (read(shipment).await, read(record).await)
 }
 
+/// Once a stalled delivery's work ran (`runs` above 0), a delivery of `key` as "next": it
+/// ships, before the stalled one wakes (`lease * 3` after it stalled).
+async fn next_ships_while_stalled(
+    once: &Once,
+    pool: &PgPool,
+    (key, lease): (&str, Duration),
+    runs: &AtomicUsize,
+) {
+    while runs.load(SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let started = Instant::now();
+    let next = once
+        .run_in_transaction(unit(key, "{}"), pool, async |tx: &mut PgConnection| {
+            ship(tx, key, "next", runs).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (next.value.as_str(), next.replayed),
+        ("shipped by next", false)
+    );
+    assert!(
+        started.elapsed() < lease * 3,
+        "not after the stalled one woke"
+    );
+}
+
+/// Aborts `dropped` once its work wrote its connection's server process into `pid`: that
+/// process, which must then be gone.
+async fn drop_mid_work<T>(
+    dropped: tokio::task::JoinHandle<T>,
+    pid: &std::sync::Mutex<Option<i32>>,
+    pool: &PgPool,
+) {
+    let backend = loop {
+        if let Some(backend) = *pid.lock().unwrap() {
+            break backend;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    dropped.abort();
+    let _ = dropped.await;
+    assert_eq!(
+        backend_becomes(pool, backend, None).await,
+        None,
+        "the dropped delivery's connection is still open"
+    );
+}
+
+/// A `labels` table whose `order_id` is unique, checked at the commit (deferred), holding
+/// `taken` already.
+async fn labels_holding(pool: &PgPool, taken: &str) {
+    let deferred = "CREATE TABLE labels (order_id text NOT NULL \
+                    UNIQUE DEFERRABLE INITIALLY DEFERRED)";
+    sqlx::query(deferred).execute(pool).await.unwrap();
+    sqlx::query("INSERT INTO labels VALUES ($1)")
+        .bind(taken)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 /// The first delivery ships, in one transaction with its key's row; later deliveries, in this
 /// mode or through `Once::run`, get its outcome without running; another payload is a
 /// mismatch.
@@ -255,26 +318,7 @@ async fn a_delivery_stalled_past_its_lease_commits_nothing_and_the_next_ships() 
                 .await
         }
     });
-    while runs.load(SeqCst) == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let started = Instant::now();
-    let next = once
-        .run_in_transaction(
-            unit("o-4", "{}"),
-            &schema.pool,
-            async |tx: &mut PgConnection| ship(tx, "o-4", "next", &runs).await,
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        (next.value.as_str(), next.replayed),
-        ("shipped by next", false)
-    );
-    assert!(
-        started.elapsed() < lease * 3,
-        "not after the stalled one woke"
-    );
+    next_ships_while_stalled(&once, &schema.pool, ("o-4", lease), &runs).await;
     let stalled = stalled.await.unwrap();
     assert!(matches!(stalled, Err(WorkError::Store(_))), "{stalled:?}");
     assert_eq!(shipped(&schema.pool, "o-4").await, ["next"]);
@@ -520,14 +564,7 @@ async fn a_delivery_dropped_mid_work_closes_its_connection_and_the_next_ships() 
                 .await
         }
     });
-    let backend = loop {
-        if let Some(backend) = *pid.lock().unwrap() {
-            break backend;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
-    dropped.abort();
-    let _ = dropped.await;
+    drop_mid_work(dropped, &pid, &schema.pool).await;
     let next = once
         .run_in_transaction(unit("o-10", "{}"), &pool, async |tx: &mut PgConnection| {
             ship(tx, "o-10", "next", &AtomicUsize::new(0)).await
@@ -536,11 +573,6 @@ async fn a_delivery_dropped_mid_work_closes_its_connection_and_the_next_ships() 
         .unwrap();
     assert!(!next.replayed);
     assert_eq!(shipped(&schema.pool, "o-10").await, ["next"]);
-    assert_eq!(
-        backend_becomes(&schema.pool, backend, None).await,
-        None,
-        "the dropped delivery's connection is still open"
-    );
     schema.drop().await;
 }
 
@@ -551,13 +583,7 @@ async fn a_delivery_dropped_mid_work_closes_its_connection_and_the_next_ships() 
 async fn a_deferred_constraint_failing_at_the_commit_is_the_works_error() {
     let (schema, store) = shipments_schema().await;
     let pool = &schema.pool;
-    let deferred = "CREATE TABLE labels (order_id text NOT NULL \
-                    UNIQUE DEFERRABLE INITIALLY DEFERRED)";
-    sqlx::query(deferred).execute(pool).await.unwrap();
-    sqlx::query("INSERT INTO labels VALUES ('o-11')")
-        .execute(pool)
-        .await
-        .unwrap();
+    labels_holding(pool, "o-11").await;
     let once = Once::new(store);
     let label = async |tx: &mut PgConnection| {
         ship(tx, "o-11", "labelled", &AtomicUsize::new(0)).await?;
@@ -878,26 +904,7 @@ mod batches {
                     .await
             }
         });
-        while runs.load(SeqCst) == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let started = Instant::now();
-        let next = once
-            .run_in_transaction(
-                unit("s-0", "{}"),
-                &schema.pool,
-                async |tx: &mut PgConnection| ship(tx, "s-0", "next", &runs).await,
-            )
-            .await
-            .unwrap();
-        assert_eq!(
-            (next.value.as_str(), next.replayed),
-            ("shipped by next", false)
-        );
-        assert!(
-            started.elapsed() < lease * 3,
-            "not after the stalled batch woke"
-        );
+        next_ships_while_stalled(&once, &schema.pool, ("s-0", lease), &runs).await;
         let stalled = stalled.await.unwrap();
         assert_eq!(shown(&stalled), ["shipped by next (true)"]);
         assert_eq!(shipped(&schema.pool, "s-0").await, ["next"]);
@@ -934,19 +941,7 @@ mod batches {
                 once.run_batch_in_transaction(units, &pool, work).await
             }
         });
-        let backend = loop {
-            if let Some(backend) = *pid.lock().unwrap() {
-                break backend;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        };
-        dropped.abort();
-        let _ = dropped.await;
-        assert_eq!(
-            backend_becomes(&schema.pool, backend, None).await,
-            None,
-            "the dropped batch's connection is still open"
-        );
+        drop_mid_work(dropped, &pid, &schema.pool).await;
         let window = [("d-0", "{}"), ("d-1", "{}")];
         let next = batch(&once, &pool, &window, "next", &AtomicUsize::new(0)).await;
         assert_eq!(
@@ -965,13 +960,7 @@ mod batches {
     async fn a_batch_whose_commit_fails_delivers_each_unit_on_its_own() {
         let (schema, store) = shipments_schema().await;
         let pool = &schema.pool;
-        let deferred = "CREATE TABLE labels (order_id text NOT NULL \
-                        UNIQUE DEFERRABLE INITIALLY DEFERRED)";
-        sqlx::query(deferred).execute(pool).await.unwrap();
-        sqlx::query("INSERT INTO labels VALUES ('l-1')")
-            .execute(pool)
-            .await
-            .unwrap();
+        labels_holding(pool, "l-1").await;
         let once = Once::new(store);
         let keys = ["l-0", "l-1", "l-2"];
         let units = keys.iter().map(|key| unit(key, "{}")).collect();
@@ -1008,7 +997,7 @@ mod batches {
         let leased = Arc::new(tokio::sync::Notify::new());
         let runs = AtomicUsize::new(0);
         let units = vec![unit("m-0", "{}"), unit("m-1", "{}")];
-        let (once_, leased, runs) = (&once, &leased, &runs);
+        let (once_ref, leased, runs) = (&once, &leased, &runs);
         let work = |i: usize| {
             async move |tx: &mut PgConnection| {
                 let key = ["m-0", "m-1"][i];
@@ -1016,7 +1005,7 @@ mod batches {
                 if i == 1 && runs.load(SeqCst) == 2 {
                     let other = tokio::spawn({
                         let (once, pool, leased) =
-                            (once_.clone(), pool.clone(), Arc::clone(leased));
+                            (once_ref.clone(), pool.clone(), Arc::clone(leased));
                         async move {
                             let work = |_| async move {
                                 leased.notify_one();

@@ -326,7 +326,7 @@ async fn consume(
                         .into_iter()
                         .all(|ack| ack)
                 } else {
-                    ship_bare_batch(pool, &ids).await
+                    ship_bare(pool, &ids).await
                 };
                 assert!(shipped, "orders {ids:?} were not all shipped");
                 acknowledge(&batch).await
@@ -340,7 +340,7 @@ async fn consume(
                 let shipped = if once {
                     shipping.ship(order_id.as_str(), &delivery.data).await
                 } else {
-                    ship_bare(pool, order_id.as_str()).await
+                    ship_bare(pool, &[order_id.as_str()]).await
                 };
                 assert!(shipped, "order {order_id} was not shipped");
                 acknowledge(std::slice::from_ref(&delivery)).await
@@ -353,26 +353,16 @@ async fn consume(
     last.into_inner().unwrap()
 }
 
-/// The shipments of `order_ids` in one transaction, as a batch is written without `Once`.
-async fn ship_bare_batch(pool: &PgPool, order_ids: &[String]) -> bool {
+/// The shipments of `order_ids` in one transaction, as the shipping step writes them without
+/// `Once` (one message's, or a batch's).
+async fn ship_bare(pool: &PgPool, order_ids: &[impl AsRef<str>]) -> bool {
     let mut tx = pool.begin().await.unwrap();
     for order_id in order_ids {
         sqlx::query("INSERT INTO shipments (order_id, consumer) VALUES ($1, 'bare')")
-            .bind(order_id)
+            .bind(order_id.as_ref())
             .execute(&mut *tx)
             .await
             .unwrap();
     }
-    tx.commit().await.is_ok()
-}
-
-/// The shipment alone, in its own transaction, as the shipping step writes it without `Once`.
-async fn ship_bare(pool: &PgPool, order_id: &str) -> bool {
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO shipments (order_id, consumer) VALUES ($1, 'bare')")
-        .bind(order_id)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
     tx.commit().await.is_ok()
 }
