@@ -12,10 +12,10 @@
 //! on all of them at once (or, with `IDEMPOTENCY_UNITS=batch`, in batches of what it was
 //! delivered at once, one transaction each); each goes through `Once` (see
 //! `consumers/shipping.rs`): a message delivered twice (published twice, or redelivered after
-//! a consumer died with it unacknowledged) ships once. A message that was delivered is acknowledged; one that was not
-//! (the work failed, or another delivery still ran it after the wait) is handed back
-//! (`basic.nack`, requeued), so that RabbitMQ delivers it again. A lost connection (the broker
-//! restarted) is made again.
+//! a consumer died with it unacknowledged) ships once. A message that was delivered is
+//! acknowledged; one that was not (the work failed, or another delivery still ran it after the
+//! wait) is handed back (`basic.nack`, requeued), so that RabbitMQ delivers it again. A lost
+//! connection (the broker restarted) is made again.
 //!
 //! | variable | effect |
 //! |---|---|

@@ -27,6 +27,9 @@ pub fn millis(name: &str, default: u64) -> Duration {
     )
 }
 
+/// A shipment: the order and the consumer that shipped it.
+const INSERT_SHIPMENT: &str = "INSERT INTO shipments (order_id, consumer) VALUES ($1, $2)";
+
 /// Connections of the store's own: fewer than 8, so one lane each for claims and completions,
 /// and a window's deliveries share their statements.
 const STORE_CONNECTIONS: usize = 4;
@@ -154,20 +157,11 @@ impl Shipping {
             return true;
         };
         let (pool, consumer, work) = (&self.pool, &self.consumer, self.work);
-        let insert = "INSERT INTO shipments (order_id, consumer) VALUES ($1, $2)";
         let shipped = match self.units {
             // The shipment, the claim and the outcome in one transaction: one commit, and a
             // delivery that dies or stalls past its lease commits none of them.
             Units::InTransaction | Units::InBatches => {
-                let ship = async |tx: &mut PgConnection| {
-                    tokio::time::sleep(work).await;
-                    sqlx::query(insert)
-                        .bind(order_id)
-                        .bind(consumer)
-                        .execute(&mut *tx)
-                        .await?;
-                    Ok::<_, sqlx::Error>(format!("shipped by {consumer}"))
-                };
+                let ship = async |tx: &mut PgConnection| self.shipment(tx, order_id).await;
                 self.once.run_in_transaction(unit, pool, ship).await
             }
             Units::Leased => {
@@ -182,7 +176,7 @@ impl Shipping {
                         .commit_with_outcome(&mut tx, &outcome)
                         .await
                         .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-                    sqlx::query(insert)
+                    sqlx::query(INSERT_SHIPMENT)
                         .bind(claim.key().as_str())
                         .bind(consumer)
                         .execute(&mut *tx)
@@ -213,24 +207,27 @@ impl Shipping {
                 },
             )
             .unzip();
-        let (consumer, work) = (&self.consumer, self.work);
         let ship = |n: usize| {
             let order_id = window[at[n]].0;
-            async move |tx: &mut PgConnection| {
-                tokio::time::sleep(work).await;
-                sqlx::query("INSERT INTO shipments (order_id, consumer) VALUES ($1, $2)")
-                    .bind(order_id)
-                    .bind(consumer)
-                    .execute(&mut *tx)
-                    .await?;
-                Ok::<_, sqlx::Error>(format!("shipped by {consumer}"))
-            }
+            async move |tx: &mut PgConnection| self.shipment(tx, order_id).await
         };
         let shipped = self.once.run_batch_in_transaction(units, &self.pool, ship);
         for (n, shipped) in shipped.await.into_iter().enumerate() {
             acks[at[n]] = delivered(window[at[n]].0, shipped);
         }
         acks
+    }
+
+    /// `order_id`'s shipment in the transaction on `tx`, after the message's work: the outcome
+    /// its delivery stores.
+    async fn shipment(&self, tx: &mut PgConnection, order_id: &str) -> Result<String, sqlx::Error> {
+        tokio::time::sleep(self.work).await;
+        sqlx::query(INSERT_SHIPMENT)
+            .bind(order_id)
+            .bind(&self.consumer)
+            .execute(&mut *tx)
+            .await?;
+        Ok(format!("shipped by {}", self.consumer))
     }
 }
 
