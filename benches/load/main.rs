@@ -27,6 +27,10 @@
 //! it is left out. "tiered-single" and "postgres-single" are their stores sending every claim
 //! and completion on its own statement (`with_max_batch(1)`), as before batches.
 //!
+//! "naive-memory" is the naive guard in process, its answers in a bounded moka cache (what
+//! in-process peers keep theirs in): the floor of a guard that has no fingerprint, owner or
+//! lease, for the memory store to be measured against.
+//!
 //! "memory-cached", "redis-cached" and "tiered-cached" are those stores behind `CachedStore`
 //! (replays from the server's memory, for at most 1 s after it stored or read them; on the
 //! memory store it shows what the cache itself costs a fresh key); "redis-watched" the Redis
@@ -74,17 +78,19 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tower_idempotency::{
     Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse,
     store::{
-        CachedStore, ClaimOutcome, ClaimRequest, DEFAULT_POSTGRES_BATCH, DISTRIBUTE_ON_CITUS,
-        PARTITION_BY_HASH, PostgresStore, RecordKey, RedisStore, Store, TieredStore,
+        CachedStore, ClaimOutcome, ClaimRequest, DEFAULT_MEMORY_MAX_ENTRIES,
+        DEFAULT_POSTGRES_BATCH, DISTRIBUTE_ON_CITUS, PARTITION_BY_HASH, PostgresStore, RecordKey,
+        RedisStore, Store, TieredStore,
     },
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 23] = [
+const SETUPS: [&str; 24] = [
     "bare",
     "memory",
     "memory-cached",
     "naive",
+    "naive-memory",
     "redis",
     "redis-cached",
     "redis-watched",

@@ -125,6 +125,16 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
                     )),
                 )
             }
+            "naive-memory" => {
+                let answers = moka::sync::Cache::builder()
+                    .max_capacity(DEFAULT_MEMORY_MAX_ENTRIES as u64)
+                    .time_to_live(Duration::from_secs(86_400))
+                    .build();
+                Router::new().route(
+                    "/payments",
+                    handler.route_layer(middleware::from_fn_with_state(answers, naive_in_memory)),
+                )
+            }
             other => panic!("unknown setup {other}"),
         };
         let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port))
@@ -132,6 +142,37 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
             .unwrap();
         axum::serve(listener, app).await.unwrap();
     });
+}
+
+/// The naive guard in process, in a bounded cache with expiry (moka, which in-process peers keep
+/// their answers in): the key inserted empty if absent, run, the body stored under it; a retry
+/// gets the body, or 409 while it is empty. No fingerprint, no owner, no lease: one process only.
+pub(crate) async fn naive_in_memory(
+    State(answers): State<moka::sync::Cache<String, Bytes>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(key) = request.headers().get("idempotency-key") else {
+        return next.run(request).await;
+    };
+    let key = key.to_str().unwrap_or_default().to_owned();
+    let entry = answers.entry(key.clone()).or_insert(Bytes::new());
+    if !entry.is_fresh() {
+        let stored = entry.into_value();
+        if stored.is_empty() {
+            return StatusCode::CONFLICT.into_response();
+        }
+        let mut response = (StatusCode::CREATED, stored).into_response();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        return response;
+    }
+    let (parts, body) = next.run(request).await.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    answers.insert(key, body.clone());
+    Response::from_parts(parts, Body::from(body))
 }
 
 pub(crate) fn redis_store(url: &str, prefix: &str) -> RedisStore {
