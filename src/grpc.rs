@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, header::CONTENT_TYPE};
+use http::{HeaderMap, HeaderName, HeaderValue, header::CONTENT_TYPE};
 
 use crate::headers::IDEMPOTENT_REPLAYED;
 
@@ -27,10 +27,13 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
         .is_some_and(|ct| ct.as_bytes().starts_with(b"application/grpc"))
 }
 
+/// The deadline a gRPC caller announces.
+const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
+
 /// The deadline a gRPC caller announced (`grpc-timeout`), if it did.
 pub(crate) fn deadline(headers: &HeaderMap) -> Option<Duration> {
     headers
-        .get("grpc-timeout")
+        .get(GRPC_TIMEOUT)
         .and_then(|value| parse_timeout(value.as_bytes()))
 }
 

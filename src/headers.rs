@@ -4,11 +4,13 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderName, HeaderValue, header::VARY};
 
-/// The header that marks a replayed response (`Idempotent-Replayed: true`).
-pub(crate) const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+/// The header that marks a replayed response (`Idempotent-Replayed: true`). A `HeaderName`, not
+/// a string: a map given a string parses it on every call, and copies a name it does not know
+/// into a new allocation when it inserts it.
+pub(crate) const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// The header that says which of a request's preferences were honored (RFC 7240).
-pub(crate) const PREFERENCE_APPLIED: &str = "preference-applied";
+pub(crate) const PREFERENCE_APPLIED: HeaderName = HeaderName::from_static("preference-applied");
 
 /// The header that says until when the answer's key is protected (an HTTP date), on the
 /// answers of a layer built
@@ -24,12 +26,15 @@ pub(crate) fn protected_for(headers: &mut HeaderMap, left: Duration) {
     headers.insert(IDEMPOTENCY_KEY_PROTECTED_UNTIL, value);
 }
 
+/// A request's preferences (RFC 7240).
+const PREFER: HeaderName = HeaderName::from_static("prefer");
+
 /// How long a request prefers to wait for its answer (`Prefer: wait=N`, RFC 7240, in whole
 /// seconds), if it says. Other preferences, and a preference's parameters, are ignored; a
 /// `wait` that is not a whole number of seconds is no preference.
 pub(crate) fn preferred_wait(headers: &HeaderMap) -> Option<Duration> {
     headers
-        .get_all("prefer")
+        .get_all(PREFER)
         .iter()
         .filter_map(|value| value.to_str().ok())
         .flat_map(|list| list.split(','))

@@ -83,17 +83,17 @@ where
     Ok(chunks)
 }
 
-/// Runs `read` within `timeout`. Most bodies have arrived with their request: a timer is armed
-/// only for one that has not.
+/// Runs `read` within `timeout`. Most bodies have arrived with their request: a timer is armed,
+/// and the clock read, only for one that has not (its first poll, an instant earlier, found it
+/// pending).
 async fn within_deadline<T>(
     timeout: Duration,
     read: impl Future<Output = Result<T, Rejection>>,
 ) -> Result<T, Rejection> {
-    let deadline = tokio::time::Instant::now() + timeout;
     let mut read = pin!(read);
     match std::future::poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await {
         Poll::Ready(read) => read,
-        Poll::Pending => match tokio::time::timeout_at(deadline, read).await {
+        Poll::Pending => match tokio::time::timeout(timeout, read).await {
             Ok(read) => read,
             Err(_elapsed) => Err(Rejection::BodyTimeout { after: timeout }),
         },
