@@ -68,6 +68,7 @@ pub(crate) async fn drive(mut options: Options) {
     );
     let mut runs: Runs = BTreeMap::new();
     let mut floors: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut routes: BTreeMap<&str, Vec<(f64, f64)>> = BTreeMap::new();
     let mut consumed: BTreeMap<&str, Vec<Consumed>> = BTreeMap::new();
     for round in 0..options.rounds {
         for setup in SETUPS
@@ -100,6 +101,15 @@ pub(crate) async fn drive(mut options: Options) {
             cluster: cluster.as_ref(),
             valkey: valkey.as_ref(),
         };
+        let routing = options.only.iter().any(|s| s == "redis-cluster");
+        if let Some(cluster) = cluster.as_ref().filter(|_| routing) {
+            cluster.flush().await;
+            let servers = (&redis, cluster);
+            for (name, measured) in cluster_routes(servers, options.connections, seconds).await {
+                eprintln!("round {round} cluster route {name}: {measured:?}");
+                routes.entry(name).or_default().push(measured);
+            }
+        }
         let floors_now = measure_floors(&options, servers, &database_url, &schema, seconds);
         for (name, floor) in floors_now.await {
             eprintln!("round {round} floor {name}: {floor:.0}/s");
@@ -114,6 +124,7 @@ pub(crate) async fn drive(mut options: Options) {
         }
     }
     print_report(&options, &runs, &floors);
+    print_routes(&routes);
     print_citus(&runs);
     print_consumers(&consumed);
     for schema in [schema.clone(), partitioned(&schema)] {

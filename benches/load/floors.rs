@@ -179,3 +179,107 @@ where
     }
     done.load(Relaxed) as f64 / started.elapsed().as_secs_f64()
 }
+
+/// How a command reaches a cluster's node: through redis-rs's cluster driver (the store's
+/// connection), or by this process choosing the key's master from the slot map itself; or a
+/// single server's, on one connection.
+enum Route {
+    Single(redis::aio::MultiplexedConnection),
+    Driver(redis::cluster_async::ClusterConnection),
+    Direct(
+        Vec<redis::aio::MultiplexedConnection>,
+        std::collections::HashMap<redis::cluster_routing::Slot, usize>,
+    ),
+}
+
+/// What the cluster driver adds to each command: `SET`s of fresh keys from `tasks` tasks,
+/// through the driver and then straight to each key's master, on the same cluster; and on
+/// one server, for what three of them cost without a driver. Each route's operations per
+/// second, and this process's CPU per operation.
+pub(crate) async fn cluster_routes(
+    (redis, cluster): (&RedisServer, &RedisServer),
+    tasks: usize,
+    seconds: Duration,
+) -> [(&'static str, (f64, f64)); 3] {
+    let urls: Vec<String> = cluster.urls().split(',').map(str::to_owned).collect();
+    let driver = redis::cluster::ClusterClient::new(urls)
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap();
+    let (masters, slots) = slot_map(cluster).await;
+    let mut direct = Vec::new();
+    for url in masters {
+        let client = redis::Client::open(url).unwrap();
+        direct.push(client.get_multiplexed_async_connection().await.unwrap());
+    }
+    let driver = routed(Route::Driver(driver), tasks, seconds).await;
+    let direct = routed(Route::Direct(direct, slots), tasks, seconds).await;
+    let single = routed(Route::Single(redis.connection().await), tasks, seconds).await;
+    [
+        ("driver", driver),
+        ("direct", direct),
+        ("one server", single),
+    ]
+}
+
+/// The cluster's masters (their URLs) and which of them serves each slot (`CLUSTER SLOTS`).
+async fn slot_map(
+    cluster: &RedisServer,
+) -> (
+    Vec<String>,
+    std::collections::HashMap<redis::cluster_routing::Slot, usize>,
+) {
+    let mut connection = cluster.connection().await;
+    let ranges: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let (mut masters, mut slots) = (Vec::new(), std::collections::HashMap::new());
+    for range in ranges {
+        // [start, end, [host, port, id, …], replicas…]
+        let mut range = range.into_iter();
+        let start: u16 = redis::from_redis_value(range.next().unwrap()).unwrap();
+        let end: u16 = redis::from_redis_value(range.next().unwrap()).unwrap();
+        let master: Vec<redis::Value> = redis::from_redis_value(range.next().unwrap()).unwrap();
+        let mut master = master.into_iter();
+        let host: String = redis::from_redis_value(master.next().unwrap()).unwrap();
+        let port: u16 = redis::from_redis_value(master.next().unwrap()).unwrap();
+        let url = format!("redis://{host}:{port}");
+        let node = masters.iter().position(|m| *m == url).unwrap_or_else(|| {
+            masters.push(url);
+            masters.len() - 1
+        });
+        let range = (start..=end).filter_map(redis::cluster_routing::Slot::new);
+        slots.extend(range.map(|slot| (slot, node)));
+    }
+    (masters, slots)
+}
+
+/// `SET`s of fresh keys through `route` for `seconds`: operations per second, and this
+/// process's CPU (µs) per operation.
+async fn routed(route: Route, tasks: usize, seconds: Duration) -> (f64, f64) {
+    let route = Arc::new(route);
+    let run = Uuid::new_v4().simple().to_string();
+    let (cpu, started) = (process_cpu(std::process::id()), Instant::now());
+    let rate = counted(tasks, seconds, move |task, n| {
+        let (route, key) = (Arc::clone(&route), format!("route:{run}-{task}-{n}"));
+        async move {
+            let set = redis::cmd("SET").arg(&key).arg(ANSWER).clone();
+            let done: redis::RedisResult<()> = match &*route {
+                Route::Single(connection) => set.query_async(&mut connection.clone()).await,
+                Route::Driver(connection) => set.query_async(&mut connection.clone()).await,
+                Route::Direct(connections, slots) => {
+                    let node = slots[&redis::cluster_routing::Slot::for_key(&key)];
+                    set.query_async(&mut connections[node].clone()).await
+                }
+            };
+            done.is_ok()
+        }
+    })
+    .await;
+    let operations = rate * started.elapsed().as_secs_f64();
+    let cpu = process_cpu(std::process::id()) - cpu;
+    (rate, cpu.as_secs_f64() * 1e6 / operations)
+}

@@ -19,7 +19,9 @@
 //! masters this program starts (`redis-cli --cluster create`), on the same cores. "valkey" and
 //! "naive-valkey" are the Redis store and the naive guard on a Valkey server beside the Redis
 //! one, in the same rounds, when a `valkey-server` is found (`VALKEY_SERVER`, the `PATH`, or
-//! where `.ci/valkey` puts it); without one they are left out.
+//! where `.ci/valkey` puts it); without one they are left out. With "redis-cluster", each round
+//! also sends `SET`s of fresh keys to the cluster through redis-rs's cluster driver and straight
+//! to each key's master, and to the single Redis: what the driver adds to a command.
 //!
 //! "consumers" (in `--only`, and in a run without it) is the consumer row: a RabbitMQ queue
 //! (`AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`) shipped by three consumers

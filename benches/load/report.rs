@@ -248,6 +248,45 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
 
 /// Where a Citus setup's Postgres CPU goes: the coordinator, which plans and routes every
 /// statement, and the workers, which run them.
+/// The cluster's `SET`s through redis-rs's driver and straight to each key's master: what the
+/// driver adds to a command.
+pub(crate) fn print_routes(routes: &BTreeMap<&str, Vec<(f64, f64)>>) {
+    if routes.is_empty() {
+        return;
+    }
+    println!("\n| cluster SET, fresh keys | ops/s | bench CPU µs/op |");
+    println!("|---|---|---|");
+    let medians = |name: &str| {
+        let list = routes.get(name)?;
+        let rate = median(list.iter().map(|(rate, _)| *rate).collect());
+        Some((rate, median(list.iter().map(|(_, cpu)| *cpu).collect())))
+    };
+    for name in routes.keys() {
+        if let Some((rate, cpu)) = medians(name) {
+            println!("| {name} | {rate:.0} | {cpu:.1} |");
+        }
+    }
+    let compare = |what: &str, (a, b): ((f64, f64), (f64, f64))| {
+        let more = a.1 - b.1;
+        let (cpu, rate) = (a.1 / b.1, a.0 / b.0);
+        println!(
+            "- {what}: {more:.1} µs of client CPU more ({cpu:.2}×), {rate:.2}× the operations"
+        );
+    };
+    if let (Some(driver), Some(direct)) = (medians("driver"), medians("direct")) {
+        compare(
+            "the cluster driver per command, vs straight to the masters",
+            (driver, direct),
+        );
+    }
+    if let (Some(direct), Some(single)) = (medians("direct"), medians("one server")) {
+        compare(
+            "three masters without a driver, vs one server",
+            (direct, single),
+        );
+    }
+}
+
 pub(crate) fn print_citus(runs: &Runs) {
     let split: Vec<_> = runs
         .iter()
