@@ -158,21 +158,26 @@ pub(crate) async fn naive_in_memory(
     let key = key.to_str().unwrap_or_default().to_owned();
     let entry = answers.entry(key.clone()).or_insert(Bytes::new());
     if !entry.is_fresh() {
-        let stored = entry.into_value();
-        if stored.is_empty() {
-            return StatusCode::CONFLICT.into_response();
-        }
-        let mut response = (StatusCode::CREATED, stored).into_response();
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        return response;
+        return naive_replay(entry.into_value());
     }
     let (parts, body) = next.run(request).await.into_parts();
     let body = body.collect().await.unwrap().to_bytes();
     answers.insert(key, body.clone());
     Response::from_parts(parts, Body::from(body))
+}
+
+/// A naive guard's answer to a retry: the body the first request stored, or 409 while that
+/// request still runs (nothing stored yet).
+fn naive_replay(stored: Bytes) -> Response {
+    if stored.is_empty() {
+        return StatusCode::CONFLICT.into_response();
+    }
+    let mut response = (StatusCode::CREATED, stored).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
 }
 
 pub(crate) fn redis_store(url: &str, prefix: &str) -> RedisStore {
@@ -242,15 +247,7 @@ pub(crate) async fn naive_guard(
     let key = format!("{prefix}{}", key.to_str().unwrap_or_default());
     if !naive_claim(&mut redis, &key).await {
         let stored: Vec<u8> = redis.get(&key).await.unwrap();
-        if stored.is_empty() {
-            return StatusCode::CONFLICT.into_response();
-        }
-        let mut response = (StatusCode::CREATED, stored).into_response();
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        return response;
+        return naive_replay(Bytes::from(stored));
     }
     let (parts, body) = next.run(request).await.into_parts();
     let body = body.collect().await.unwrap().to_bytes();
