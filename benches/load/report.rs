@@ -240,8 +240,6 @@ pub(crate) fn print_report(options: &Options, runs: &Runs, floors: &BTreeMap<&st
     }
 }
 
-/// Where a Citus setup's Postgres CPU goes: the coordinator, which plans and routes every
-/// statement, and the workers, which run them.
 /// The cluster's `SET`s through redis-rs's driver and straight to each key's master: what the
 /// driver adds to a command.
 pub(crate) fn print_routes(routes: &BTreeMap<&str, Vec<(f64, f64)>>) {
@@ -281,6 +279,8 @@ pub(crate) fn print_routes(routes: &BTreeMap<&str, Vec<(f64, f64)>>) {
     }
 }
 
+/// Where a Citus setup's Postgres CPU goes: the coordinator, which plans and routes every
+/// statement, and the workers, which run them.
 pub(crate) fn print_citus(runs: &Runs) {
     let split: Vec<_> = runs
         .iter()
