@@ -618,6 +618,7 @@ async fn a_timeout_outside_never_restarts_the_handler_and_one_inside_is_flagged(
         })
         .with_max_level(tracing::Level::WARN)
         .finish();
+    support::scoped_subscribers_hear_every_callsite();
     let _guard = tracing::subscriber::set_default(subscriber);
     let inside = Router::new()
         .route("/payments", post(slow))

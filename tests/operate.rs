@@ -151,6 +151,7 @@ fn observed<F: Future<Output = ()>>(capture: &Capture, test: impl FnOnce(Recorde
         .enable_all()
         .build()
         .unwrap();
+    support::scoped_subscribers_hear_every_callsite();
     tracing::subscriber::with_default(subscriber, || {
         metrics::with_local_recorder(&recorder, || runtime.block_on(test(recorded)))
     });

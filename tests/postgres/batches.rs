@@ -29,6 +29,7 @@ fn debug_events() -> (Written, tracing::subscriber::DefaultGuard) {
         })
         .with_ansi(false)
         .finish();
+    support::scoped_subscribers_hear_every_callsite();
     (
         written.clone(),
         tracing::subscriber::set_default(subscriber),

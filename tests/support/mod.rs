@@ -96,6 +96,16 @@ pub fn program(name: &str, var: &str, fallbacks: &[PathBuf], install: &str) -> P
             )
         })
 }
+/// Call before a test sets a subscriber of its own (`set_default`, `with_default`): with a
+/// single dispatcher registered, tracing-core asks a callsite first hit on another test's thread
+/// (where nobody listens) for its interest there only, and caches "never" for good, so the
+/// test's events were dropped unseen whenever a concurrent test hit the same callsite first. A
+/// second dispatcher, kept for the process, makes it ask every registered one.
+pub fn scoped_subscribers_hear_every_callsite() {
+    static SECOND: std::sync::OnceLock<tracing::Dispatch> = std::sync::OnceLock::new();
+    SECOND.get_or_init(|| tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default()));
+}
+
 /// Sends a signal with kill(1).
 pub fn signal_pid(pid: u32, signal: &str) {
     let status = Command::new("kill")
