@@ -8,7 +8,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{Broker, BrokerKind, Proc, TestSchema, database_url, url_in_schema};
+use support::{Broker, BrokerKind, Need, Proc, TestSchema, database_url, url_in_schema};
 
 const ORDERS: usize = 12;
 
@@ -186,7 +186,6 @@ async fn consumers_ship_each_order_once(kind: BrokerKind, example: &str, env: &[
 /// JetStream redelivers a message not acknowledged within 300 ms while its consumer still works
 /// on it (600 ms): deliveries of one order meet on live consumers, besides the copies, the kill
 /// and the restart.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_jetstream_consumers_ship_each_order_once() {
     let env = [("WORK_MS", "600"), ("ACK_WAIT_MS", "300")];
     consumers_ship_each_order_once(BrokerKind::Nats, "nats_consumer", &env).await;
@@ -194,7 +193,6 @@ async fn nats_jetstream_consumers_ship_each_order_once() {
 
 /// What a consumer was delivered at once, in one transaction (`IDEMPOTENCY_UNITS=batch`):
 /// the copies of an order in one batch, the kill and the restart.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_consumers_in_batches_ship_each_order_once() {
     let env = [
         ("WORK_MS", "100"),
@@ -205,14 +203,12 @@ async fn rabbitmq_consumers_in_batches_ship_each_order_once() {
 }
 
 /// The examples' default: each delivery's claim in its shipment's transaction.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_consumers_ship_each_order_once() {
     let env = [("WORK_MS", "300"), ("PREFETCH", "2")];
     consumers_ship_each_order_once(BrokerKind::RabbitMq, "rabbitmq_consumer", &env).await;
 }
 
 /// The same under leases (`Once::run`, the shipment fenced).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_consumers_under_leases_ship_each_order_once() {
     let env = [
         ("WORK_MS", "300"),
@@ -220,4 +216,17 @@ async fn rabbitmq_consumers_under_leases_ship_each_order_once() {
         ("IDEMPOTENCY_UNITS", "lease"),
     ];
     consumers_ship_each_order_once(BrokerKind::RabbitMq, "rabbitmq_consumer", &env).await;
+}
+
+/// A test whose broker program is missing is reported as not run (see
+/// `tests/support/needs.rs`).
+fn main() -> std::process::ExitCode {
+    let mut tests =
+        crate::tests![&[Need::NatsServer]; nats_jetstream_consumers_ship_each_order_once];
+    tests.extend(crate::tests![&[Need::RabbitMqServer];
+        rabbitmq_consumers_in_batches_ship_each_order_once,
+        rabbitmq_consumers_ship_each_order_once,
+        rabbitmq_consumers_under_leases_ship_each_order_once,
+    ]);
+    support::run(tests)
 }

@@ -1,8 +1,8 @@
 //! The Postgres store on Citus (a coordinator and two workers the tests start themselves,
 //! `idempotency_keys` distributed by key): the conformance suite, every statement of a request's
 //! path routed to one shard, and fences that grow per key across a shard moved between workers.
-//! Citus must be installed in the machine's PostgreSQL (`../shared/vendor/citus/install.sh`,
-//! which `.ci/run` runs). The fleet on Citus is in `tests/fleet/citus.rs`.
+//! Citus must be installed in the machine's PostgreSQL (docs/testing.md#citus); where it is
+//! not, every test here is reported as not run. The fleet on Citus is in `tests/fleet/citus.rs`.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -22,7 +22,7 @@ use axum::{
     routing::post,
 };
 use sqlx::{PgPool, postgres::PgPoolOptions};
-use support::{CitusCluster, acquire, claim_request};
+use support::{CitusCluster, Need, acquire, claim_request};
 use tokio::sync::OnceCell;
 use tower::ServiceExt;
 use tower_idempotency::{
@@ -80,14 +80,23 @@ async fn pool(url: &str) -> PgPool {
         .unwrap()
 }
 
-/// Named `citus::…`, as every test of the store on Citus, so that `--skip citus` leaves them
-/// out on a machine without Citus.
-mod citus {
-    use super::*;
-
-    tower_idempotency::store_conformance_tests!(async {
-        PostgresStore::new(pool(&cluster().await.url()).await).on_citus()
-    });
+/// Every test here needs Citus: without it, each is reported as not run (see
+/// `tests/support/needs.rs`). The conformance cases are named `citus::…`.
+fn main() -> std::process::ExitCode {
+    let needs = &[Need::Citus];
+    let mut tests = support::conformance(
+        "citus",
+        needs,
+        tower_idempotency::conformance::cases(),
+        || async { PostgresStore::new(pool(&cluster().await.url()).await).on_citus() },
+    );
+    tests.extend(crate::tests![needs;
+        citus_routes_every_statement_of_a_requests_path_to_one_shard,
+        citus_fences_grow_per_key_across_releases_reclaims_and_a_moved_shard,
+        the_doctor_knows_a_citus_coordinator_and_how_the_table_is_distributed,
+        citus_a_business_table_elsewhere_commits_by_two_phase_commit_still_once,
+    ]);
+    support::run(tests)
 }
 
 /// A request's whole path through the layer (a fresh key with a recovery point, renewals and
@@ -96,7 +105,6 @@ mod citus {
 /// commands for one key, on sessions where any multi-shard statement is an error: each of them
 /// is routed to one shard. The check itself is shown to bite: a statement over every shard
 /// fails on those sessions.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn citus_routes_every_statement_of_a_requests_path_to_one_shard() {
     let cluster = cluster().await;
     let admin = pool(&cluster.url()).await;
@@ -244,7 +252,6 @@ async fn citus_routes_every_statement_of_a_requests_path_to_one_shard() {
 /// Fences come from the coordinator's sequence: a key claimed and released, claimed again once
 /// its shard moved to the other worker, then abandoned, moved back and taken over once its lease
 /// ended, never sees a fence smaller than one it had; keys on either worker meanwhile neither.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn citus_fences_grow_per_key_across_releases_reclaims_and_a_moved_shard() {
     let cluster = CitusCluster::start(2).await;
     distribute(&cluster.url()).await;
@@ -284,7 +291,6 @@ async fn citus_fences_grow_per_key_across_releases_reclaims_and_a_moved_shard() 
 /// The doctor on a Citus coordinator: a local table, a distributed one with a store not built
 /// for it, one whose fence functions a later migration put back in the form Citus cannot route,
 /// and all as it should be.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_doctor_knows_a_citus_coordinator_and_how_the_table_is_distributed() {
     let cluster = CitusCluster::start(1).await;
     let pool = pool(&cluster.url()).await;
@@ -362,7 +368,6 @@ async fn two_phase_commits(admin: &PgPool) -> i64 {
 /// workers, and Citus commits it with two-phase commit. Still exactly once: a stale owner's transaction,
 /// whose key another took over, is stopped by the fence and rolled back on both shards; the
 /// owner's commits, on both. Prints what a fenced commit costs either way, side by side.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn citus_a_business_table_elsewhere_commits_by_two_phase_commit_still_once() {
     let cluster = cluster().await;
     let admin = pool(&cluster.url()).await;

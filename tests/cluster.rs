@@ -14,7 +14,7 @@ use std::{
 use axum::{Router, body::Body, routing::post};
 use http::{Request, StatusCode};
 use support::{
-    Busy, RedisCluster, acquire, claim_request, database_url, eventually, pool_in_schema,
+    Busy, Need, RedisCluster, acquire, claim_request, database_url, eventually, pool_in_schema,
 };
 use tower::ServiceExt;
 use tower_idempotency::{
@@ -37,31 +37,45 @@ async fn shared_store() -> RedisStore {
     store_on(cluster)
 }
 
-mod redis_cluster {
-    tower_idempotency::store_conformance_tests!(super::shared_store());
-}
-
-/// The tombstone beside each record, in its slot.
-mod redis_cluster_tombstones {
-    tower_idempotency::store_tombstone_conformance_tests!(async {
-        let horizon = tower_idempotency::conformance::TOMBSTONE_HORIZON;
-        super::shared_store().await.with_tombstones(horizon)
-    });
-}
-
-mod redis_cluster_in_front_of_postgres {
-    use super::*;
-
-    tower_idempotency::store_conformance_tests!(async {
-        let postgres = PostgresStore::new(
-            pool_in_schema(&database_url(), "tower_idempotency_conformance").await,
-        );
-        TieredStore::new(shared_store().await, postgres)
-    });
+/// Every test here builds a Redis Cluster of its own (or shares one): without `redis-server`
+/// and `redis-cli`, each is reported as not run (see `tests/support/needs.rs`). The
+/// conformance cases are named by the store they run on.
+fn main() -> std::process::ExitCode {
+    use tower_idempotency::conformance::{cases, tombstone_cases};
+    let needs = &[Need::RedisServer, Need::RedisCli];
+    let mut tests = support::conformance("redis_cluster", needs, cases(), shared_store);
+    // The tombstone beside each record, in its slot.
+    tests.extend(support::conformance(
+        "redis_cluster_tombstones",
+        needs,
+        tombstone_cases(),
+        || async {
+            let horizon = tower_idempotency::conformance::TOMBSTONE_HORIZON;
+            shared_store().await.with_tombstones(horizon)
+        },
+    ));
+    tests.extend(support::conformance(
+        "redis_cluster_in_front_of_postgres",
+        needs,
+        cases(),
+        || async {
+            let pool = pool_in_schema(&database_url(), "tower_idempotency_conformance").await;
+            TieredStore::new(shared_store().await, PostgresStore::new(pool))
+        },
+    ));
+    tests.extend(crate::tests![needs;
+        records_spread_over_the_masters_and_stuck_lists_them_all,
+        a_failover_and_a_resharding_mid_run_run_nothing_twice,
+        the_doctor_checks_every_master_and_the_slot_coverage,
+        the_replay_cache_is_told_by_every_master,
+        after_a_resharding_answers_are_watched_where_their_slots_went,
+        one_master_lost_or_silent_ends_what_the_watcher_vouches_for,
+        a_key_in_a_migrating_slot_is_left_unwatched_and_the_others_stay_watched,
+    ]);
+    support::run(tests)
 }
 
 /// Records land on every master, and the admin operations find them wherever they are.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_spread_over_the_masters_and_stuck_lists_them_all() {
     let cluster = tokio::task::spawn_blocking(RedisCluster::shared)
         .await
@@ -150,7 +164,6 @@ async fn deliver(app: &Router, key: &str) -> (usize, usize) {
 /// slots in use while duplicates of every key arrive. Neither loses a write, so nothing runs
 /// twice even without Postgres behind (a master that dies is another matter: see
 /// `fleet::store_faults::a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_resharding`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_and_a_resharding_mid_run_run_nothing_twice() {
     let cluster = Arc::new(
         tokio::task::spawn_blocking(RedisCluster::start)
@@ -211,7 +224,6 @@ async fn a_failover_and_a_resharding_mid_run_run_nothing_twice() {
 
 /// The doctor checks every master of a cluster and its slot coverage: a healthy cluster has
 /// nothing to report; one with a slot nobody serves is at risk.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_doctor_checks_every_master_and_the_slot_coverage() {
     use tower_idempotency::store::Severity;
 
@@ -402,7 +414,6 @@ async fn forgotten_elsewhere(
 /// The replay cache's watcher on a cluster keeps a tracking connection to each master and reads
 /// each key on its slot's: answers on every master are served past the bound without a round
 /// trip while nothing changes, and go the moment another process forgets them.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_replay_cache_is_told_by_every_master() {
     let Watched(cluster, store, cached, keys) = watched_cluster(BOUND).await;
     let scripts = scripts_past_the_bound(&cluster, &cached, &keys).await;
@@ -414,7 +425,6 @@ async fn the_replay_cache_is_told_by_every_master() {
 /// go when the old master deletes them, the watcher's next read there is redirected, and it
 /// connects again with the slots as they are now; the answers are watched on their new master,
 /// and told from there.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_resharding_answers_are_watched_where_their_slots_went() {
     let Watched(cluster, store, cached, keys) = watched_cluster(BOUND).await;
     let emptied = cluster.masters()[0];
@@ -448,7 +458,6 @@ async fn after_a_resharding_answers_are_watched_where_their_slots_went() {
 /// watches them anew. One master frozen (SIGSTOP): past the bound after the watcher last heard
 /// from every master, no watched answer is served from memory, those on the live masters
 /// included.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_master_lost_or_silent_ends_what_the_watcher_vouches_for() {
     // A bound well past the store's timeout (250 ms), so that a ping a frozen master never
     // answers would still leave time to serve from memory if the others' answers were enough.
@@ -510,7 +519,6 @@ async fn one_master_lost_or_silent_ends_what_the_watcher_vouches_for() {
 /// `MIGRATE`): the moved key's answer goes when its old master deletes it, and the watcher's
 /// read of it there is answered `ASK`. That key is left unwatched, and every other answer stays
 /// watched: no reconnection, nothing dropped.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_in_a_migrating_slot_is_left_unwatched_and_the_others_stay_watched() {
     let Watched(cluster, store, cached, keys) = watched_cluster(BOUND).await;
     let (moving, others) = keys.split_first().unwrap();

@@ -5,8 +5,7 @@
 use super::*;
 use support::CitusCluster;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fleet_on_citus_commits_each_key_once_through_a_worker_restart_a_shard_move_and_a_coordinator_restart()
+pub async fn a_fleet_on_citus_commits_each_key_once_through_a_worker_restart_a_shard_move_and_a_coordinator_restart()
  {
     let _serial = SERIAL.lock().await;
     let mut citus = CitusCluster::start(2).await;

@@ -2,8 +2,7 @@
 
 use super::*;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_instance_killed_mid_request_frees_its_key_when_the_lease_ends() {
+pub async fn an_instance_killed_mid_request_frees_its_key_when_the_lease_ends() {
     let _serial = SERIAL.lock().await;
     let redis = RedisServer::start().await;
     let schema = TestSchema::new().await;
@@ -55,8 +54,7 @@ async fn an_instance_killed_mid_request_frees_its_key_when_the_lease_ends() {
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_disconnects_mid_request_gets_the_replay() {
+pub async fn a_client_that_disconnects_mid_request_gets_the_replay() {
     let _serial = SERIAL.lock().await;
     let redis = RedisServer::start().await;
     let schema = TestSchema::new().await;
@@ -93,8 +91,7 @@ async fn a_client_that_disconnects_mid_request_gets_the_replay() {
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_instance_killed_after_the_commit_leaves_the_payment_to_the_retry() {
+pub async fn an_instance_killed_after_the_commit_leaves_the_payment_to_the_retry() {
     let _serial = SERIAL.lock().await;
     let redis = RedisServer::start().await;
     let schema = TestSchema::new().await;
@@ -237,8 +234,7 @@ async fn kill_between_steps(
     (took, calls)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_instance_killed_after_recording_the_intent_is_resumed_by_the_retry() {
+pub async fn an_instance_killed_after_recording_the_intent_is_resumed_by_the_retry() {
     let _serial = SERIAL.lock().await;
     let (_, calls) = kill_between_steps(
         "PAYMENTS_PAUSE_AFTER_INTENT_MS",
@@ -251,8 +247,7 @@ async fn an_instance_killed_after_recording_the_intent_is_resumed_by_the_retry()
     assert_eq!(calls, 1, "the killed instance never reached the provider");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_instance_killed_after_the_charge_is_resumed_and_charged_once() {
+pub async fn an_instance_killed_after_the_charge_is_resumed_and_charged_once() {
     let _serial = SERIAL.lock().await;
     let (_, calls) = kill_between_steps(
         "PAYMENTS_PAUSE_AFTER_CHARGE_MS",
@@ -271,8 +266,7 @@ async fn an_instance_killed_after_the_charge_is_resumed_and_charged_once() {
 /// A last step that fences with plain `commit` (no answer stored with it), killed right after
 /// it commits: the retry on another instance gets the payment the recovery hook rebuilds from
 /// the payment row, about a lease and a half after the kill, instead of 24 h of outcome-unknown.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_instance_killed_after_a_plain_commit_is_answered_by_the_recovery_hook() {
+pub async fn an_instance_killed_after_a_plain_commit_is_answered_by_the_recovery_hook() {
     let _serial = SERIAL.lock().await;
     let plain = [("PAYMENTS_ANSWER_WITH_FENCE", "false")];
     let (_, calls) = kill_between_steps(
@@ -289,8 +283,7 @@ async fn an_instance_killed_after_a_plain_commit_is_answered_by_the_recovery_hoo
 /// A provider that hangs for longer than the lease while duplicates arrive: the payment holds
 /// no row lock and no open transaction meanwhile (the call runs between two steps), its lease
 /// stays renewed, and the duplicates are told it is in flight, then get the payment.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hanging_provider_holds_no_lock_and_duplicates_are_told_it_is_in_flight() {
+pub async fn a_hanging_provider_holds_no_lock_and_duplicates_are_told_it_is_in_flight() {
     let _serial = SERIAL.lock().await;
     let schema = TestSchema::new().await;
     let provider = MockProvider::with_faults(

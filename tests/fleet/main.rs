@@ -291,3 +291,34 @@ mod stalls;
 mod store_faults;
 mod kills;
 mod citus;
+
+/// A test whose program is missing is reported as not run (see `tests/support/needs.rs`).
+fn main() -> std::process::ExitCode {
+    use support::Need::*;
+    let mut tests = crate::tests![&[RedisServer];
+        stalls::four_instances_with_stalls_commit_each_key_exactly_once,
+        stalls::concurrent_submits_on_two_instances_both_get_the_answer_without_waiting_for_the_lease,
+        store_faults::redis_flushed_mid_run,
+        store_faults::redis_restarted_mid_run,
+        store_faults::redis_stalled_mid_run_falls_back_to_postgres_without_errors,
+        kills::an_instance_killed_mid_request_frees_its_key_when_the_lease_ends,
+        kills::a_client_that_disconnects_mid_request_gets_the_replay,
+        kills::an_instance_killed_after_the_commit_leaves_the_payment_to_the_retry,
+        kills::an_instance_killed_after_recording_the_intent_is_resumed_by_the_retry,
+        kills::an_instance_killed_after_the_charge_is_resumed_and_charged_once,
+        kills::an_instance_killed_after_a_plain_commit_is_answered_by_the_recovery_hook,
+    ];
+    tests.extend(crate::tests![&[];
+        kills::a_hanging_provider_holds_no_lock_and_duplicates_are_told_it_is_in_flight,
+    ]);
+    tests.extend(crate::tests![&[RedisServer, RedisCli];
+        store_faults::a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_resharding,
+    ]);
+    tests.extend(crate::tests![&[RedisServer, PostgresServer];
+        store_faults::postgres_down_means_503_then_service_resumes_with_nothing_lost,
+    ]);
+    tests.extend(crate::tests![&[Citus];
+        citus::a_fleet_on_citus_commits_each_key_once_through_a_worker_restart_a_shard_move_and_a_coordinator_restart,
+    ]);
+    support::run(tests)
+}

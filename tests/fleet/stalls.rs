@@ -2,8 +2,7 @@
 
 use super::*;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn four_instances_with_stalls_commit_each_key_exactly_once() {
+pub async fn four_instances_with_stalls_commit_each_key_exactly_once() {
     let _serial = SERIAL.lock().await;
     let redis = RedisServer::start().await;
     let schema = TestSchema::new().await;
@@ -50,8 +49,8 @@ async fn four_instances_with_stalls_commit_each_key_exactly_once() {
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_submits_on_two_instances_both_get_the_answer_without_waiting_for_the_lease() {
+pub async fn concurrent_submits_on_two_instances_both_get_the_answer_without_waiting_for_the_lease()
+{
     let _serial = SERIAL.lock().await;
     let redis = RedisServer::start().await;
     let schema = TestSchema::new().await;

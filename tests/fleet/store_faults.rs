@@ -29,8 +29,7 @@ async fn burst_during(name: &str, fault: impl AsyncFnOnce(&mut RedisServer)) {
 /// with `REDIS_CLUSTER_NODES` in front of Postgres, while a replica takes over by `CLUSTER
 /// FAILOVER`, 2000 slots in use move to another master, and a master is killed (its replica
 /// takes over after the node timeout, and whatever it had not replicated is lost).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_resharding() {
+pub async fn a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_resharding() {
     let _serial = SERIAL.lock().await;
     let cluster = tokio::task::spawn_blocking(RedisCluster::start);
     let cluster = Arc::new(cluster.await.unwrap());
@@ -86,8 +85,7 @@ async fn a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_res
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_flushed_mid_run() {
+pub async fn redis_flushed_mid_run() {
     burst_during("redis-flushed", async |redis: &mut RedisServer| {
         let mut admin = redis.admin().await;
         for _ in 0..8 {
@@ -101,8 +99,7 @@ async fn redis_flushed_mid_run() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_restarted_mid_run() {
+pub async fn redis_restarted_mid_run() {
     burst_during("redis-restarted", async |redis: &mut RedisServer| {
         tokio::time::sleep(Duration::from_millis(600)).await;
         redis.stop();
@@ -112,8 +109,7 @@ async fn redis_restarted_mid_run() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_stalled_mid_run_falls_back_to_postgres_without_errors() {
+pub async fn redis_stalled_mid_run_falls_back_to_postgres_without_errors() {
     burst_during("redis-stalled", async |redis: &mut RedisServer| {
         tokio::time::sleep(Duration::from_millis(600)).await;
         redis.pause();
@@ -123,8 +119,7 @@ async fn redis_stalled_mid_run_falls_back_to_postgres_without_errors() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_down_means_503_then_service_resumes_with_nothing_lost() {
+pub async fn postgres_down_means_503_then_service_resumes_with_nothing_lost() {
     let _serial = SERIAL.lock().await;
     let mut cluster = PgCluster::start().await;
     let pool = pool_in_schema(&cluster.url(), "public").await;

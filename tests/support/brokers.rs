@@ -77,12 +77,7 @@ impl Broker {
     }
 
     fn nats_command(&self) -> Command {
-        let program = program(
-            "nats-server",
-            "NATS_SERVER",
-            &[PathBuf::from("/usr/sbin/nats-server")],
-            "install the NATS server (Debian: `apt install nats-server`)",
-        );
+        let program = Need::NatsServer.path();
         let mut command = Command::new(program);
         command
             .args([
@@ -100,12 +95,7 @@ impl Broker {
     /// A node of its own: its own name, ports, configuration, database and logs. Debian's
     /// script runs the node as the `rabbitmq` user, which must own the directory.
     fn rabbitmq_command(&self) -> Command {
-        let program = program(
-            "rabbitmq-server",
-            "RABBITMQ_SERVER",
-            &[PathBuf::from("/usr/sbin/rabbitmq-server")],
-            "install RabbitMQ (Debian: `apt install rabbitmq-server`)",
-        );
+        let program = Need::RabbitMqServer.path();
         let dir = &self.dir;
         let config = dir.join("rabbitmq.conf");
         std::fs::write(

@@ -309,10 +309,5 @@ impl Drop for RedisCluster {
 
 /// `redis-cli`, for the tests that build a Redis Cluster (`REDIS_CLI`).
 pub fn redis_cli() -> PathBuf {
-    program(
-        "redis-cli",
-        "REDIS_CLI",
-        &[],
-        "install Redis (Debian: `apt install redis-tools`; macOS: `brew install redis`)",
-    )
+    Need::RedisCli.path()
 }

@@ -7,12 +7,13 @@ mod apps;
 mod brokers;
 mod clients;
 mod cluster;
+mod needs;
 mod servers;
 mod stores;
 
 // Each test uses some of them.
 #[allow(unused_imports)]
-pub use self::{apps::*, brokers::*, clients::*, cluster::*, servers::*, stores::*};
+pub use self::{apps::*, brokers::*, clients::*, cluster::*, needs::*, servers::*, stores::*};
 
 use std::{
     net::TcpListener,
@@ -68,34 +69,6 @@ impl Drop for Busy {
     }
 }
 
-/// A server program a test starts: the path in the environment variable `var` if it is set,
-/// else the first `name` on `PATH`, else one of `fallbacks`. Panics with what is missing and how
-/// to provide it.
-pub fn program(name: &str, var: &str, fallbacks: &[PathBuf], install: &str) -> PathBuf {
-    if let Some(path) = std::env::var_os(var) {
-        let path = PathBuf::from(path);
-        assert!(
-            path.is_file(),
-            "{var}={} does not name a file: set it to the path of `{name}`",
-            path.display()
-        );
-        return path;
-    }
-    let on_path = std::env::var_os("PATH")
-        .map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
-        .unwrap_or_default();
-    on_path
-        .iter()
-        .chain(fallbacks)
-        .map(|dir| dir.join(name))
-        .find(|path| path.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "this test starts its own `{name}`, which is not on PATH: {install}, \
-                 or set {var} to its path"
-            )
-        })
-}
 /// Call before a test sets a subscriber of its own (`set_default`, `with_default`): with a
 /// single dispatcher registered, tracing-core asks a callsite first hit on another test's thread
 /// (where nobody listens) for its interest there only, and caches "never" for good, so the

@@ -4,58 +4,13 @@ use super::*;
 
 /// `redis-server`, for tests that start, stop or pause a Redis of their own (`REDIS_SERVER`).
 pub fn redis_server() -> PathBuf {
-    program(
-        "redis-server",
-        "REDIS_SERVER",
-        &[],
-        "install Redis (Debian: `apt install redis-server`; macOS: `brew install redis`)",
-    )
+    Need::RedisServer.path()
 }
 
 /// The directory of Postgres' server programs (`initdb`, `pg_ctl`), for tests that run a
-/// cluster of their own: `PG_BINDIR`, else `initdb` on `PATH`, else `pg_config --bindir`, else
-/// Debian's `/usr/lib/postgresql/<version>/bin` (newest first).
+/// cluster of their own (see [`Need::PostgresServer`]).
 pub fn postgres_bindir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("PG_BINDIR") {
-        let dir = PathBuf::from(dir);
-        assert!(
-            dir.join("initdb").is_file() && dir.join("pg_ctl").is_file(),
-            "PG_BINDIR={} holds no `initdb` and `pg_ctl`",
-            dir.display()
-        );
-        return dir;
-    }
-    let pg_config = Command::new("pg_config")
-        .arg("--bindir")
-        .output()
-        .ok()
-        .filter(|out| out.status.success())
-        .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
-    let mut debian: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .into_iter()
-        .flatten()
-        .filter_map(|entry| Some(entry.ok()?.path().join("bin")))
-        .collect();
-    debian.sort_by_key(|dir| std::cmp::Reverse(postgres_major(dir)));
-    let fallbacks: Vec<PathBuf> = pg_config.into_iter().chain(debian).collect();
-    let initdb = program(
-        "initdb",
-        "PG_BINDIR",
-        &fallbacks,
-        "install the PostgreSQL server (Debian: `apt install postgresql`; macOS: `brew install \
-         postgresql`) and put its bin directory on PATH",
-    );
-    // The real directory: a link on PATH (`/usr/local/bin/initdb`) may have no `pg_basebackup`
-    // beside it.
-    let initdb = initdb.canonicalize().unwrap_or(initdb);
-    initdb.parent().unwrap().to_owned()
-}
-
-/// The major version in a `/usr/lib/postgresql/<major>/bin` path (0 when there is none).
-fn postgres_major(bin: &std::path::Path) -> u32 {
-    bin.parent()
-        .and_then(|dir| dir.file_name()?.to_str()?.parse().ok())
-        .unwrap_or(0)
+    Need::PostgresServer.path()
 }
 
 /// A `redis-server` of the test's own, on a free port, for tests that stop, pause or flush it.
@@ -414,13 +369,14 @@ impl PgCluster {
     fn command(&self, name: &str) -> Command {
         let path = self.bin.join(name);
         if running_as_root() {
-            let runuser = program(
+            let runuser = find_program(
                 "runuser",
                 "RUNUSER",
                 &[],
                 "running as root, the test's Postgres runs as PG_USER through `runuser` \
                  (util-linux); install it or run the tests as an unprivileged user",
-            );
+            )
+            .unwrap_or_else(|why| panic!("{why}"));
             let mut command = Command::new(runuser);
             command.args(["-u", &cluster_user(), "--"]).arg(path);
             command
@@ -519,7 +475,7 @@ impl PgCluster {
 
 /// A Citus cluster of the test's own: a coordinator and workers, each a [`PgCluster`] with
 /// Citus loaded, the workers added to the coordinator. Citus must be installed in the
-/// machine's PostgreSQL (`../shared/vendor/citus/install.sh`, which `.ci/run` runs).
+/// machine's PostgreSQL ([`Need::Citus`]).
 pub struct CitusCluster {
     pub coordinator: PgCluster,
     pub workers: Vec<PgCluster>,
@@ -543,8 +499,8 @@ impl CitusCluster {
             let created = node.execute("CREATE EXTENSION IF NOT EXISTS citus").await;
             assert!(
                 created.is_ok(),
-                "Citus is not installed in this machine's PostgreSQL ({:?}): run \
-                 ../shared/vendor/citus/install.sh",
+                "Citus is not installed in this machine's PostgreSQL ({:?}): see \
+                 docs/testing.md#citus",
                 created.err()
             );
         }
