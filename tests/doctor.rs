@@ -129,6 +129,32 @@ async fn snapshots_alone_are_a_warning_and_an_unreachable_redis_a_risk() {
     );
 }
 
+/// A Postgres that refuses the connection (nothing listens on the port) is said to refuse it,
+/// at once: it was "postgres store did not answer within 5s", after 5 s, which sends an operator
+/// looking for a slow database instead of a wrong address.
+#[tokio::test]
+async fn an_unreachable_postgres_says_it_refused() {
+    let nobody = format!("postgres://postgres@127.0.0.1:{}/test", free_port());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .connect_lazy(&nobody)
+        .unwrap();
+    let started = std::time::Instant::now();
+    let diagnosis = PostgresStore::new(pool).diagnose().await;
+    let took = started.elapsed();
+    let reachable = diagnosis.of("reachable").next().unwrap();
+    assert_eq!(reachable.severity, Severity::Risk, "{diagnosis}");
+    assert!(
+        reachable.message.contains("Connection refused"),
+        "{diagnosis}"
+    );
+    assert!(
+        reachable.message.contains("is the server running"),
+        "{diagnosis}"
+    );
+    let at_once = std::time::Duration::from_secs(2);
+    assert!(took < at_once, "refused after {took:?}: {diagnosis}");
+}
+
 /// Why a Redis cannot be reached is said as it is: refused, wanting a password, or silent (it
 /// was "did not answer within 250ms" for all three).
 #[tokio::test]

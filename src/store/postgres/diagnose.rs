@@ -5,10 +5,26 @@
 
 use std::time::Duration;
 
-use sqlx::Row;
+use sqlx::{Connection, Row};
 
 use super::{MIGRATOR, PostgresStore, STORE};
 use crate::store::{Diagnosis, Severity, StoreError};
+
+/// Whether `error` is the server refusing the connection: nothing listens at that address.
+fn refused(error: &StoreError) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(error) = source {
+        let io = match error.downcast_ref::<sqlx::Error>() {
+            Some(sqlx::Error::Io(io)) => Some(io),
+            _ => error.downcast_ref::<std::io::Error>(),
+        };
+        if io.is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused) {
+            return true;
+        }
+        source = error.source();
+    }
+    false
+}
 
 /// An expired row older than this says the sweeper is not running (or not keeping up).
 const SWEEPER_LAG: Duration = Duration::from_secs(3600);
@@ -21,8 +37,14 @@ impl PostgresStore {
             Err(error) => {
                 let cause =
                     std::error::Error::source(&error).map_or(String::new(), |s| format!(": {s}"));
-                let message =
-                    format!("could not be reached ({error}{cause}): claims fail while it is so");
+                let hint = if refused(&error) {
+                    ": is the server running, at this host and port?"
+                } else {
+                    ""
+                };
+                let message = format!(
+                    "could not be reached ({error}{cause}{hint}): claims fail while it is so"
+                );
                 diagnosis.push(Severity::Risk, STORE, "reachable", message);
                 return diagnosis;
             }
@@ -128,9 +150,20 @@ impl PostgresStore {
         }))
     }
 
+    /// On a connection of its own, not the pool's: a pool keeps trying a server that refuses
+    /// its connections until its acquire timeout, so a wrong address read as a slow database
+    /// ("did not answer within 5s"); a connection says "refused" at once.
     async fn server_version(&self) -> Result<String, StoreError> {
+        let options = self.pool.connect_options();
         let row = self
-            .bounded(sqlx::query("SELECT version()").fetch_one(&self.pool))
+            .bounded(async {
+                let mut connection = sqlx::PgConnection::connect_with(&options).await?;
+                let row = sqlx::query("SELECT version()")
+                    .fetch_one(&mut connection)
+                    .await?;
+                let _ = connection.close().await;
+                Ok(row)
+            })
             .await?;
         let version: String = row.try_get(0).map_err(super::backend)?;
         Ok(version.split(" on ").next().unwrap_or(&version).to_owned())
