@@ -43,6 +43,7 @@ macro_rules! store_conformance_tests {
         $crate::store_conformance_tests! { $($then)*
             fresh_key_is_acquired,
             live_claim_is_in_flight,
+            a_claim_asked_again_by_its_owner_is_its_own,
             other_fingerprint_mismatches_in_flight,
             completed_key_replays_its_response,
             other_fingerprint_mismatches_completed,
@@ -265,6 +266,31 @@ async fn renew(store: &impl Store, lease: &Lease, duration: Duration) -> Ownersh
 pub async fn fresh_key_is_acquired(store: &impl Store) {
     let lease = acquire(store, &request(&record(), "a", LONG)).await;
     assert!(lease.fence() > 0, "fences start above zero");
+}
+
+/// A claim asked again by the same owner while it holds the key (its first answer was lost on
+/// the way back: a connection cut, a timeout) is granted again with the same fence, so the
+/// caller goes on with the claim it made instead of being locked out of its own key for a
+/// lease; once the key is finished, the owner is answered like anyone else.
+pub async fn a_claim_asked_again_by_its_owner_is_its_own(store: &impl Store) {
+    let record = record();
+    let mine = request(&record, "a", LONG);
+    let first = acquire(store, &mine).await;
+    let again = acquire(store, &mine).await;
+    assert_eq!(
+        again.fence(),
+        first.fence(),
+        "the owner's claim, granted again"
+    );
+    assert!(
+        matches!(
+            claim(store, &request(&record, "a", LONG)).await,
+            ClaimOutcome::InFlight { .. }
+        ),
+        "another owner got in"
+    );
+    assert_eq!(complete(store, &first, &response()).await, Ownership::Held);
+    assert_eq!(replayed(claim(store, &mine).await), response());
 }
 
 /// A second claim during a live lease is in flight, with the time left on the lease.

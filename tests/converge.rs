@@ -623,3 +623,80 @@ async fn a_fleet_blocking_its_runtimes_runs_each_key_once_behind_redis() {
     a_fleet_blocking_its_runtimes("Redis in front of Postgres", store).await;
     schema.drop().await;
 }
+
+/// A claim the store applied whose reply was lost in transit (a proxy between the layer and
+/// the store lets the claim through, drops the reply and closes the connection) does not lock
+/// its own caller out: the layer asks the store again as the same owner, which hands the claim
+/// over, or releases it, so the first request runs, or its retry does at once. It was a 503 and
+/// then 409 "still being processed" on every retry for the whole lease, though nothing ran, on
+/// Redis alone, Postgres alone and Redis in front of Postgres. Counted where it happens: the
+/// handler ran once per key, and a reply was really cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_reply_was_lost_is_served_at_once() {
+    use support::{ReplyCutter, redis_url, schema_options};
+    use tower_idempotency::store::{RedisStore, Store, TieredStore};
+
+    let schema = TestSchema::new().await;
+    let redis_port: u16 = redis_url()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .trim_end_matches('/')
+        .parse()
+        .unwrap();
+    let postgres_port = schema.pool.connect_options().get_port();
+    let prefix = format!("test:{}:", uuid::Uuid::new_v4());
+    let through = async |cutter: &ReplyCutter| {
+        let url = format!("postgres://postgres@127.0.0.1:{}/test", cutter.port);
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_with(schema_options(&url, &schema.name))
+            .await
+            .unwrap();
+        PostgresStore::new(pool)
+    };
+    for setup in ["redis", "postgres", "redis-in-front-of-postgres"] {
+        let cutter = match setup {
+            "redis" => ReplyCutter::start(redis_port).await,
+            _ => ReplyCutter::start(postgres_port).await,
+        };
+        let redis = || {
+            let url = match setup {
+                "redis" => format!("redis://127.0.0.1:{}", cutter.port),
+                _ => redis_url(),
+            };
+            RedisStore::open(&url)
+                .unwrap()
+                .with_prefix(format!("{prefix}{setup}:"))
+        };
+        let store: std::sync::Arc<dyn Store> = match setup {
+            "redis" => std::sync::Arc::new(redis()),
+            "postgres" => std::sync::Arc::new(through(&cutter).await),
+            _ => std::sync::Arc::new(TieredStore::new(redis(), through(&cutter).await)),
+        };
+        let effects = Effects::default();
+        let layer = IdempotencyLayer::new(store).with_wait(Duration::from_secs(2));
+        let app = counting_app(&layer, &effects, Duration::ZERO);
+        // The store's connections are open before the cut.
+        let warm = format!("{setup}-warm");
+        let warmed = call(&app, post_key(&warm)).await;
+        assert_eq!(warmed.status, StatusCode::CREATED, "{setup}: {warmed:?}");
+
+        let key = format!("{setup}-lost");
+        cutter.arm();
+        let first = call(&app, post_key(&key)).await;
+        assert_eq!(cutter.cut(), 1, "{setup}: no reply was cut");
+        let first_status = first.status;
+        let answer = match first_status {
+            StatusCode::SERVICE_UNAVAILABLE => call(&app, post_key(&key)).await,
+            _ => first,
+        };
+        assert_eq!(
+            answer.status,
+            StatusCode::CREATED,
+            "{setup}: first {first_status}, then {answer:?}"
+        );
+        assert_eq!(effects.of(&key), 1, "{setup}: runs of the key");
+        println!("{setup}: a claim's reply cut: the first request {first_status}, served");
+    }
+    schema.drop().await;
+}

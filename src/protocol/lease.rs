@@ -10,7 +10,7 @@ use tokio::{task::JoinHandle, time::Instant};
 use super::Engine;
 use crate::{
     Completion, StoredResponse,
-    store::{Lease, Ownership, StoreError},
+    store::{ClaimRequest, Lease, Ownership, StoreError},
     telemetry::Operation,
 };
 
@@ -238,6 +238,25 @@ impl Engine {
             Some(spawn) => spawn(Box::pin(task)),
             None => renewer().spawn(task),
         }
+    }
+
+    /// Releases, owner-checked and off the request's path, a claim whose answer never came:
+    /// if the store applied it, the key is this owner's and no handler runs under it. A few
+    /// tries while the store is failing; after that its lease frees it.
+    pub(super) fn release_unanswered(&self, claim: &ClaimRequest) {
+        let store = Arc::clone(&self.settings.store);
+        let (telemetry, lease) = (self.telemetry.clone(), claim.lease_with_fence(0));
+        self.spawn_renewal(async move {
+            for pause in [100, 400, 1600].map(Duration::from_millis) {
+                match telemetry
+                    .timed(Operation::Release, store.release(&lease))
+                    .await
+                {
+                    Ok(_) => return,
+                    Err(_) => tokio::time::sleep(pause).await,
+                }
+            }
+        });
     }
 }
 

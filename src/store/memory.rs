@@ -514,6 +514,10 @@ impl Entry {
             return ClaimOutcome::Mismatch;
         }
         match &self.state {
+            // The owner's own claim, asked again (its first answer was lost): still its own.
+            EntryState::InFlight if self.owner == request.owner() => {
+                ClaimOutcome::Acquired { fence: self.fence }
+            }
             EntryState::InFlight => ClaimOutcome::InFlight {
                 retry_after: self.expires_at - now,
             },

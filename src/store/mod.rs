@@ -90,7 +90,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Implementations must follow the rules in the [module docs](self); run
 /// [`store_conformance_tests!`](crate::store_conformance_tests) in their tests to check.
 pub trait Store: Send + Sync + 'static {
-    /// Takes `request.record()` for `request.owner()`, or reports why not.
+    /// Takes `request.record()` for `request.owner()`, or reports why not. A claim asked
+    /// again by the owner that holds the key in flight is granted again, with the same fence:
+    /// the layer asks again when a claim's answer was lost on its way.
     fn claim<'a>(
         &'a self,
         request: &'a ClaimRequest,

@@ -23,6 +23,7 @@ use uuid::Uuid;
 struct Row {
     fingerprint: Fingerprint,
     owner: Uuid,
+    fence: u64,
     lease_until: Instant,
     expires_at: Instant,
     state: State,
@@ -73,6 +74,10 @@ impl Authority {
             let live = row.expires_at > now;
             match &row.state {
                 _ if !live => {}
+                // The owner's own claim, asked again: still its own.
+                State::InFlight if row.owner == request.owner() && row.lease_until > now => {
+                    return ClaimOutcome::Acquired { fence: row.fence };
+                }
                 _ if row.fingerprint != *request.fingerprint() => return ClaimOutcome::Mismatch,
                 State::Completed(response) => {
                     return ClaimOutcome::Completed {
@@ -94,6 +99,7 @@ impl Authority {
         let row = Row {
             fingerprint: *request.fingerprint(),
             owner: request.owner(),
+            fence,
             lease_until: now + request.lease(),
             expires_at: now + request.lease() + Duration::from_secs(24 * 3600),
             state: State::InFlight,

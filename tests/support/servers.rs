@@ -620,3 +620,80 @@ pub fn url_in_schema(url: &str, schema: &str) -> String {
     let separator = if url.contains('?') { '&' } else { '?' };
     format!("{url}{separator}options[search_path]={schema}")
 }
+
+/// A TCP proxy in front of a server (Redis, Postgres) that, once armed, lets the next request
+/// through but drops the server's reply and closes that connection: a store's statement or
+/// script is applied, and its answer lost in transit.
+pub struct ReplyCutter {
+    pub port: u16,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cut: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl ReplyCutter {
+    /// A proxy on a free port to `127.0.0.1:upstream`.
+    pub async fn start(upstream: u16) -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicUsize};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (armed, cut) = (
+            std::sync::Arc::new(AtomicBool::new(false)),
+            std::sync::Arc::new(AtomicUsize::new(0)),
+        );
+        let (armed_, cut_) = (armed.clone(), cut.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                else {
+                    continue;
+                };
+                tokio::spawn(Self::relay(client, server, armed_.clone(), cut_.clone()));
+            }
+        });
+        Self { port, armed, cut }
+    }
+
+    /// Cuts the next reply any connection gets.
+    pub fn arm(&self) {
+        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// How many replies were cut.
+    pub fn cut(&self) -> usize {
+        self.cut.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    async fn relay(
+        client: tokio::net::TcpStream,
+        server: tokio::net::TcpStream,
+        armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        cut: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut from_client, mut to_client) = client.into_split();
+        let (mut from_server, mut to_server) = server.into_split();
+        let requests = async {
+            let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+        };
+        let replies = async {
+            let mut buffer = vec![0; 64 * 1024];
+            loop {
+                let Ok(n @ 1..) = from_server.read(&mut buffer).await else {
+                    return;
+                };
+                if armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                    cut.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    return;
+                }
+                if to_client.write_all(&buffer[..n]).await.is_err() {
+                    return;
+                }
+            }
+        };
+        // Whichever way ends first closes both: the client sees its connection cut.
+        tokio::select! {
+            () = requests => {}
+            () = replies => {}
+        }
+    }
+}

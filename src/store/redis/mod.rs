@@ -734,6 +734,10 @@ fn read_record(
         return Ok(ClaimOutcome::Mismatch);
     }
     Ok(match record.response()? {
+        // The owner's own claim, asked again (its first answer was lost): still its own.
+        None if record.owner == request.owner() => ClaimOutcome::Acquired {
+            fence: record.fence,
+        },
         None => ClaimOutcome::InFlight { retry_after: left },
         Some(response) => ClaimOutcome::Completed {
             response: Box::new(response),
