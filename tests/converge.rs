@@ -700,3 +700,28 @@ async fn a_claim_whose_reply_was_lost_is_served_at_once() {
     }
     schema.drop().await;
 }
+
+/// A claim the store applied though its caller was told it timed out: the layer answers 503
+/// and releases the claim (owner-checked, in the background), so the retry runs at once
+/// instead of waiting out the lease of a claim nobody acts on. It was 409 "still being
+/// processed" until the lease ended. Counted at the handler: the key ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_timed_out_after_the_store_took_it_is_released() {
+    let armed = Arc::new(AtomicBool::new(true));
+    let store = Faulty {
+        inner: MemoryStore::new(),
+        fault: StoreFault::TimedOutAfterApplying(armed.clone()),
+    };
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::new(store).with_wait(Duration::from_secs(2));
+    let app = counting_app(&layer, &effects, Duration::ZERO);
+    let first = call(&app, post_key("k-timed-out")).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
+    assert!(
+        !armed.load(SeqCst),
+        "the claim was not the one that timed out"
+    );
+    let retry = call(&app, post_key("k-timed-out")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert_eq!(effects.of("k-timed-out"), 1);
+}

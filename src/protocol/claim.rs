@@ -69,10 +69,12 @@ pub(super) async fn claim_or_answer<B, E>(
 ///
 /// A claim that failed on its way (a connection cut, a timeout) may still have been applied
 /// by the store, its answer lost: the key would then be held by this caller's own owner token,
-/// and every retry locked out for a lease although nothing runs. So it is asked once more by
-/// the same owner, which a store grants again when the first one was applied; if that fails
-/// too, the claim is released (owner-checked, in the background) so that the retry the 503
-/// invites is served at once.
+/// and every retry locked out for a lease although nothing runs. After a failure of the
+/// backend (a connection cut: quick to tell), it is asked once more by the same owner, which a
+/// store grants again when the first one was applied. After a timeout (a store that slow would
+/// likely keep the caller waiting as long again), or when asking again failed too, the claim is
+/// released (owner-checked, in the background) so that the retry the 503 invites is served at
+/// once.
 pub(super) async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Claimed {
     let store = &engine.settings.store;
     let sent = Instant::now();
@@ -80,14 +82,14 @@ pub(super) async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Claimed
         .telemetry
         .timed(Operation::Claim, store.claim(claim))
         .await;
-    if outcome.as_ref().is_err_and(may_have_applied) {
+    if let Err(StoreError::Backend { .. }) = outcome {
         outcome = engine
             .telemetry
             .timed(Operation::Claim, store.claim(claim))
             .await;
-        if outcome.as_ref().is_err_and(may_have_applied) {
-            engine.release_unanswered(claim);
-        }
+    }
+    if let Err(StoreError::Backend { .. } | StoreError::Timeout { .. }) = outcome {
+        engine.release_unanswered(claim);
     }
     let outcome = match (outcome, &engine.settings.recovery) {
         (Ok(ClaimOutcome::Orphaned), Some(recover)) => {
@@ -96,15 +98,6 @@ pub(super) async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Claimed
         (outcome, _) => outcome,
     };
     Claimed { outcome, sent }
-}
-
-/// Whether a claim that failed so may have been applied by the store all the same: its
-/// answer lost on the way back, or given up on by the caller after the store took it.
-fn may_have_applied(error: &StoreError) -> bool {
-    matches!(
-        error,
-        StoreError::Backend { .. } | StoreError::Timeout { .. }
-    )
 }
 
 /// Asks the application for the answer of a key committed without one, and stores it: the

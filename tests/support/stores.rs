@@ -34,6 +34,9 @@ pub enum StoreFault {
         armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
         pause: Duration,
     },
+    /// The next claim while `armed` is set (then cleared) is applied by the store, and its
+    /// caller told it timed out: the answer lost on a store that slow.
+    TimedOutAfterApplying(std::sync::Arc<std::sync::atomic::AtomicBool>),
 }
 
 impl<S: Store> Store for Faulty<S> {
@@ -41,6 +44,19 @@ impl<S: Store> Store for Faulty<S> {
         &'a self,
         request: &'a store::ClaimRequest,
     ) -> store::BoxFuture<'a, Result<store::ClaimOutcome, store::StoreError>> {
+        if let StoreFault::TimedOutAfterApplying(armed) = &self.fault {
+            return Box::pin(async move {
+                let outcome = self.inner.claim(request).await;
+                if armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                    let after = Duration::from_secs(5);
+                    return Err(store::StoreError::Timeout {
+                        store: "faulty",
+                        after,
+                    });
+                }
+                outcome
+            });
+        }
         let StoreFault::BlockedAfterGrant { armed, pause } = &self.fault else {
             return self.inner.claim(request);
         };
@@ -115,6 +131,7 @@ impl<S: Store> Store for Faulty<S> {
         match self.fault {
             StoreFault::FailingCompletes(_)
             | StoreFault::BlockedAfterGrant { .. }
+            | StoreFault::TimedOutAfterApplying(_)
             | StoreFault::SlowCompletes(_) => self.inner.detached(),
             StoreFault::FrozenRenewals
             | StoreFault::LateRenewals(_)
