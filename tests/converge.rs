@@ -633,45 +633,46 @@ async fn a_fleet_blocking_its_runtimes_runs_each_key_once_behind_redis() {
 /// handler ran once per key, and a reply was really cut.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_whose_reply_was_lost_is_served_at_once() {
-    use support::{ReplyCutter, redis_url, schema_options};
+    use redis::{ConnectionAddr, IntoConnectionInfo};
+    use support::{ReplyCutter, redis_url};
     use tower_idempotency::store::{RedisStore, Store, TieredStore};
 
     let schema = TestSchema::new().await;
-    let redis_port: u16 = redis_url()
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .trim_end_matches('/')
-        .parse()
-        .unwrap();
-    let postgres_port = schema.pool.connect_options().get_port();
-    let prefix = format!("test:{}:", uuid::Uuid::new_v4());
-    let through = async |cutter: &ReplyCutter| {
-        let url = format!("postgres://postgres@127.0.0.1:{}/test", cutter.port);
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .connect_with(schema_options(&url, &schema.name))
-            .await
-            .unwrap();
-        PostgresStore::new(pool)
+    // The servers REDIS_URL and DATABASE_URL name, reached through the proxy with their
+    // credentials, database and (for Postgres) the test's schema.
+    let redis_info = redis_url().into_connection_info().unwrap();
+    let ConnectionAddr::Tcp(redis_host, redis_port) = redis_info.addr().clone() else {
+        panic!("REDIS_URL is not a TCP address: {redis_info:?}");
     };
+    let postgres = (*schema.pool.connect_options()).clone();
+    let prefix = format!("test:{}:", uuid::Uuid::new_v4());
     for setup in ["redis", "postgres", "redis-in-front-of-postgres"] {
         let cutter = match setup {
-            "redis" => ReplyCutter::start(redis_port).await,
-            _ => ReplyCutter::start(postgres_port).await,
+            "redis" => ReplyCutter::start(&redis_host, redis_port).await,
+            _ => ReplyCutter::start(postgres.get_host(), postgres.get_port()).await,
         };
         let redis = || {
-            let url = match setup {
-                "redis" => format!("redis://127.0.0.1:{}", cutter.port),
-                _ => redis_url(),
+            let info = match setup {
+                "redis" => redis_info
+                    .clone()
+                    .set_addr(ConnectionAddr::Tcp("127.0.0.1".into(), cutter.port)),
+                _ => redis_info.clone(),
             };
-            RedisStore::open(&url)
-                .unwrap()
-                .with_prefix(format!("{prefix}{setup}:"))
+            let client = redis::Client::open(info).unwrap();
+            RedisStore::new(client).with_prefix(format!("{prefix}{setup}:"))
+        };
+        let through = async || {
+            let options = postgres.clone().host("127.0.0.1").port(cutter.port);
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .connect_with(options)
+                .await
+                .unwrap();
+            PostgresStore::new(pool)
         };
         let store: std::sync::Arc<dyn Store> = match setup {
             "redis" => std::sync::Arc::new(redis()),
-            "postgres" => std::sync::Arc::new(through(&cutter).await),
-            _ => std::sync::Arc::new(TieredStore::new(redis(), through(&cutter).await)),
+            "postgres" => std::sync::Arc::new(through().await),
+            _ => std::sync::Arc::new(TieredStore::new(redis(), through().await)),
         };
         let effects = Effects::default();
         let layer = IdempotencyLayer::new(store).with_wait(Duration::from_secs(2));

@@ -631,10 +631,11 @@ pub struct ReplyCutter {
 }
 
 impl ReplyCutter {
-    /// A proxy on a free port to `127.0.0.1:upstream`.
-    pub async fn start(upstream: u16) -> Self {
+    /// A proxy on a free port of 127.0.0.1 to `host:port`.
+    pub async fn start(host: &str, port: u16) -> Self {
         use std::sync::atomic::{AtomicBool, AtomicUsize};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream = (host.to_owned(), port);
         let port = listener.local_addr().unwrap().port();
         let (armed, cut) = (
             std::sync::Arc::new(AtomicBool::new(false)),
@@ -643,8 +644,7 @@ impl ReplyCutter {
         let (armed_, cut_) = (armed.clone(), cut.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
-                else {
+                let Ok(server) = tokio::net::TcpStream::connect(upstream.clone()).await else {
                     continue;
                 };
                 tokio::spawn(Self::relay(client, server, armed_.clone(), cut_.clone()));
