@@ -226,15 +226,18 @@ where
     let name = name.into();
     let needs = needs.to_vec();
     Trial::ignorable_test(name.clone(), move || {
-        let missing: Vec<String> = needs.iter().filter_map(|need| need.find().err()).collect();
+        let missing: Vec<(&str, String)> = needs
+            .iter()
+            .filter_map(|need| Some((need.name(), need.find().err()?)))
+            .collect();
         if !missing.is_empty() {
-            let why = missing.join("; ");
+            let (names, whys): (Vec<&str>, Vec<String>) = missing.into_iter().unzip();
+            let why = whys.join("; ");
             if strict() {
                 return Err(Failed::from(format!(
                     "not run, and IDEMPOTENCY_TEST_STRICT asks for every test: {why}"
                 )));
             }
-            let names: Vec<&str> = needs.iter().map(|need| need.name()).collect();
             NOT_RUN
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
