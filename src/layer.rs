@@ -303,12 +303,18 @@ impl IdempotencyLayer {
     /// Rebuilds the answer of a key whose handler committed through the fence
     /// ([`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit)) and whose instance died
     /// before the layer stored its response: the hook gets the key's record and answers from
-    /// the application's own rows (the payment the handler wrote, say), or `None` when it
-    /// cannot. The answer is stored, owner-checked, and replayed to this and every later retry,
-    /// instead of `409 outcome-unknown` for the whole retention. Called only for such keys,
-    /// once their owner's lease and grace have run out. Needs a store that can adopt a key
-    /// (Postgres, alone or behind Redis); on the others the retries still get
-    /// `outcome-unknown`.
+    /// the application's own rows (the payment the handler wrote, say). The answer is stored,
+    /// owner-checked, and replayed to this and every later retry, instead of
+    /// `409 outcome-unknown` for the whole retention. Called only for such keys, once their
+    /// owner's lease and grace have run out. Needs a store that can adopt a key (Postgres,
+    /// alone or behind Redis); on the others the retries still get `outcome-unknown`.
+    ///
+    /// `None` means "no answer yet" (the read failed, say): the caller is told the key is in
+    /// flight (`409 in-flight`, `Retry-After` one second; a caller within its
+    /// [wait](Self::with_wait) is not answered yet, and the hook is asked again), and so is a
+    /// caller whose rebuilt answer the store could not keep. A key is never `outcome-unknown`
+    /// while a hook is installed: one that knows the outcome cannot be rebuilt answers with a
+    /// response of its own saying so, which is stored and replayed like any other.
     ///
     /// ```
     /// use bytes::Bytes;

@@ -14,10 +14,10 @@
 //! | [`BODY_TIMEOUT`] | 408 | DEADLINE_EXCEEDED | the request body did not arrive within the layer's time limit |
 //! | [`BODY_UNREADABLE`] | 400 | INVALID_ARGUMENT | the request body failed while being read |
 //! | [`KEY_MISMATCH`] | 422 | FAILED_PRECONDITION | the key was used with a different request |
-//! | [`IN_FLIGHT`] | 409 + `Retry-After` | ABORTED + `grpc-retry-pushback-ms` | the first request with this key is still running (after the layer waited for it) |
+//! | [`IN_FLIGHT`] | 409 + `Retry-After` | ABORTED + `grpc-retry-pushback-ms` | the first request with this key is still running (after the layer waited for it), or its answer is being recovered (`with_recovery`) |
 //! | [`REPLAY_NOT_ACCEPTABLE`] | 406 | FAILED_PRECONDITION | the stored response varies (`Vary`) on request headers this retry sends differently |
 //! | [`RESPONSE_NOT_STORED`] | 409 | FAILED_PRECONDITION | the request completed, but its response was over the cache limit |
-//! | [`OUTCOME_UNKNOWN`] | 409 | FAILED_PRECONDITION | the handler committed, then its instance died before storing a response (and the layer does not recover) |
+//! | [`OUTCOME_UNKNOWN`] | 409 | FAILED_PRECONDITION | the handler committed, then its instance died before storing a response (and the layer has no recovery hook) |
 //! | [`ANSWER_EXPIRED`] | 410 | FAILED_PRECONDITION | the request completed, and its answer is past its retention; a tombstone keeps it from running again (stores `with_tombstones`) |
 //! | [`STORE_UNAVAILABLE`] | 503 + `Retry-After` | UNAVAILABLE | the store could not be reached; the handler did not run |
 //! | [`HANDLER_FAILED`] | 500 | INTERNAL | the handler panicked or failed |

@@ -233,10 +233,11 @@ impl Once {
     /// Rebuilds the outcome of a unit whose work committed through the fence
     /// ([`IdempotencyClaim::commit`]) and whose process died before the outcome was stored:
     /// the hook gets the unit's record and answers from the application's own rows (the
-    /// shipment the work wrote, say), or `None` when it cannot. The outcome is stored,
-    /// owner-checked, and given to this and every later delivery (replayed), instead of
-    /// [`WorkError::OutcomeUnknown`] for the whole retention. Called only for such units, once
-    /// their owner's lease has run out. Needs a store that can adopt a key (Postgres, alone or
+    /// shipment the work wrote, say). The outcome is stored, owner-checked, and given to this
+    /// and every later delivery (replayed), instead of [`WorkError::OutcomeUnknown`] for the
+    /// whole retention. `None` means "no outcome yet" (the read failed, say): the delivery is
+    /// told the unit is in flight, to be delivered again, as when the store cannot keep the
+    /// rebuilt outcome. Called only for such units, once their owner's lease has run out. Needs a store that can adopt a key (Postgres, alone or
     /// behind Redis). Storing the outcome with the fence
     /// ([`IdempotencyClaim::commit_with_outcome`]) makes the hook unnecessary for the units
     /// that do.

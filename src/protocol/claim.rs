@@ -64,6 +64,9 @@ pub(super) async fn claim_or_answer<B, E>(
     }
 }
 
+/// How soon a caller is told to retry a key whose recovered answer is not there yet.
+const RECOVERY_RETRY: Duration = Duration::from_secs(1);
+
 /// One claim call, timed; a key committed without an answer is given the application's, when
 /// it rebuilds one.
 ///
@@ -101,16 +104,24 @@ pub(super) async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Claimed
 }
 
 /// Asks the application for the answer of a key committed without one, and stores it: the
-/// answer to replay, or the key as it was when the application has none (or the store cannot
-/// adopt it).
+/// answer to replay. With a hook installed, a key committed without an answer is never given
+/// up as `outcome-unknown`: when the hook has no answer yet (its read failed, say) or the store
+/// cannot keep it, the key is answered as in flight, with a short `Retry-After`, so that the
+/// caller's wait, or its retry, asks again.
 async fn recovered(
     engine: &Engine,
     claim: &ClaimRequest,
     recover: &RecoveryFn,
 ) -> Result<ClaimOutcome, StoreError> {
+    let not_yet = Ok(ClaimOutcome::InFlight {
+        retry_after: RECOVERY_RETRY,
+    });
     let Some(response) = recover(claim.record().clone()).await else {
-        tracing::warn!("key committed without an answer, and the recovery hook has none");
-        return Ok(ClaimOutcome::Orphaned);
+        tracing::warn!(
+            "key committed without an answer, and the recovery hook has none yet; the caller \
+             is told to retry"
+        );
+        return not_yet;
     };
     let settings = &engine.settings;
     let stored = settings.store_rules.record(&response);
@@ -136,9 +147,9 @@ async fn recovered(
         Err(error) => {
             tracing::warn!(
                 error = &error as &dyn std::error::Error,
-                "could not store the recovered answer"
+                "could not store the recovered answer; the caller is told to retry"
             );
-            Ok(ClaimOutcome::Orphaned)
+            not_yet
         }
     }
 }

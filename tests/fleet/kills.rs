@@ -148,10 +148,10 @@ pub async fn an_instance_killed_after_the_commit_leaves_the_payment_to_the_retry
     schema.drop().await;
 }
 
-/// The payment rows of `key` whose status is like `status` (`%`: any).
+/// The payment rows whose key is like `key` and whose status is like `status` (`%`: any).
 async fn payment_rows(schema: &TestSchema, key: &str, status: &str) -> i64 {
     sqlx::query_scalar(
-        "SELECT count(*) FROM payments WHERE idempotency_key = $1 AND status LIKE $2",
+        "SELECT count(*) FROM payments WHERE idempotency_key LIKE $1 AND status LIKE $2",
     )
     .bind(key)
     .bind(status)
@@ -278,6 +278,71 @@ pub async fn an_instance_killed_after_a_plain_commit_is_answered_by_the_recovery
     )
     .await;
     assert_eq!(calls, 1, "the payment was not made again");
+}
+
+/// Many payments at once on an instance killed right after their plain commits (no answer
+/// stored with the fence), then retried by two clients per key at once, one on each of two
+/// other instances: with the recovery hook on, every retry gets the payment the hook rebuilds,
+/// or a 409 that says to retry while the key is in flight; never `outcome-unknown`, which
+/// would tell the client the payment's fate can never be known.
+pub async fn payments_killed_after_plain_commits_are_never_answered_outcome_unknown() {
+    const KEYS: usize = 20;
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start().await;
+    let schema = TestSchema::new().await;
+    let provider = MockProvider::start(Duration::from_millis(10)).await;
+    let mut env = env(&redis, &schema, &provider, 1000, 0);
+    env.push(("PAYMENTS_ANSWER_WITH_FENCE", "false".into()));
+    let survivors = fleet(2, &env).await;
+    env.push(("PAYMENTS_PAUSE_AFTER_COMMIT_MS", "30000".into()));
+    let mut doomed = Proc::example("payments", &env).await;
+    let prefix = format!("orphan-{}", uuid::Uuid::new_v4().simple());
+    let requests: Vec<_> = (0..KEYS)
+        .map(|k| {
+            let (url, key) = (doomed.url("/payments"), format!("{prefix}-{k}"));
+            tokio::spawn(async move { post_json(&url, &key, PAYMENT).await })
+        })
+        .collect();
+    support::eventually(Duration::from_secs(10), "every commit", || async {
+        let committed = payment_rows(&schema, &format!("{prefix}-%"), "succeeded").await;
+        (committed == KEYS as i64).then_some(()).ok_or(committed)
+    })
+    .await;
+    doomed.child.kill().unwrap();
+    for request in requests {
+        assert!(
+            request.await.unwrap().is_err(),
+            "the killed instance answered"
+        );
+    }
+
+    // Clients as patient as the Stripe SDK's (80 s a request): they wait in the layer while
+    // the key is in flight, and take the first answer it gives.
+    let (urls, tally) = (urls(&survivors), Arc::new(Tally::default()));
+    let retries: Vec<_> = (0..KEYS * 2)
+        .map(|n| {
+            let (urls, tally) = (Arc::clone(&urls), Arc::clone(&tally));
+            let key = format!("{prefix}-{}", n / 2);
+            tokio::spawn(async move {
+                let answer = deliver(&urls, n, &key, Duration::from_secs(30), &tally).await;
+                (key, answer.json()["id"].as_str().unwrap().to_owned())
+            })
+        })
+        .collect();
+    let mut answers: HashMap<String, Vec<String>> = HashMap::new();
+    for retry in retries {
+        let (key, id) = retry.await.unwrap();
+        answers.entry(key).or_default().push(id);
+    }
+    let figures = exactly_once(&schema.pool, &provider, &answers).await;
+    println!("killed after {KEYS} plain commits: {figures}; {tally}");
+    assert_eq!(
+        Tally::get(&tally.outcome_unknown),
+        0,
+        "a retry was told the outcome is unknown although the recovery hook rebuilds it: {tally}"
+    );
+    drop((survivors, doomed));
+    schema.drop().await;
 }
 
 /// A provider that hangs for longer than the lease while duplicates arrive: the payment holds

@@ -47,6 +47,9 @@ struct Tally {
     created: AtomicUsize,
     replayed: AtomicUsize,
     conflicts: AtomicUsize,
+    /// 409s saying the key's outcome is unknown (committed, its answer lost): counted among
+    /// `conflicts` too.
+    outcome_unknown: AtomicUsize,
     unavailable: AtomicUsize,
     failed_attempts: AtomicUsize,
 }
@@ -61,12 +64,13 @@ impl std::fmt::Display for Tally {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} HTTP requests: {} created, {} replayed, {} x 409, {} x 503, {} attempts timed out \
-             or refused",
+            "{} HTTP requests: {} created, {} replayed, {} x 409 ({} outcome-unknown), {} x 503, \
+             {} attempts timed out or refused",
             Self::get(&self.requests),
             Self::get(&self.created),
             Self::get(&self.replayed),
             Self::get(&self.conflicts),
+            Self::get(&self.outcome_unknown),
             Self::get(&self.unavailable),
             Self::get(&self.failed_attempts),
         )
@@ -97,7 +101,12 @@ async fn deliver(
                     counter.fetch_add(1, Relaxed);
                     return answer;
                 }
-                StatusCode::CONFLICT => tally.conflicts.fetch_add(1, Relaxed),
+                StatusCode::CONFLICT => {
+                    if answer.problem_type().ends_with(":outcome-unknown") {
+                        tally.outcome_unknown.fetch_add(1, Relaxed);
+                    }
+                    tally.conflicts.fetch_add(1, Relaxed)
+                }
                 StatusCode::SERVICE_UNAVAILABLE => tally.unavailable.fetch_add(1, Relaxed),
                 other => panic!(
                     "{key}: unexpected {other}: {}",
@@ -307,6 +316,7 @@ fn main() -> std::process::ExitCode {
         kills::an_instance_killed_after_recording_the_intent_is_resumed_by_the_retry,
         kills::an_instance_killed_after_the_charge_is_resumed_and_charged_once,
         kills::an_instance_killed_after_a_plain_commit_is_answered_by_the_recovery_hook,
+        kills::payments_killed_after_plain_commits_are_never_answered_outcome_unknown,
     ];
     tests.extend(crate::tests![&[];
         kills::a_hanging_provider_holds_no_lock_and_duplicates_are_told_it_is_in_flight,

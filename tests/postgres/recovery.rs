@@ -157,3 +157,75 @@ async fn the_recovery_hook_answers_a_key_committed_without_an_answer() {
     assert_eq!(runs.load(SeqCst), 0, "the handler never ran again");
     schema.drop().await;
 }
+
+/// A recovery hook that has no answer yet (its read of the application's rows failed, say)
+/// never turns the key into `outcome-unknown`, which would tell the client the payment's fate
+/// can never be known: a caller who cannot wait gets a 409 saying the key is in flight, with a
+/// `Retry-After`; a caller who waits, and the retry, get the answer once the hook has it.
+#[tokio::test]
+async fn a_recovery_hook_without_an_answer_yet_gets_the_caller_a_retry_not_outcome_unknown() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone());
+    // The hook's read fails on its first two calls, then finds the payment.
+    let asked = Arc::new(AtomicUsize::new(0));
+    let layer = |wait: Duration| {
+        let asked = Arc::clone(&asked);
+        IdempotencyLayer::new(store.clone())
+            .with_lease(Duration::from_millis(100))
+            .with_wait(wait)
+            .with_recovery(move |_: RecordKey| {
+                let found = asked.fetch_add(1, SeqCst) >= 2;
+                async move {
+                    found.then(|| {
+                        http::Response::builder()
+                            .status(StatusCode::CREATED)
+                            .body(bytes::Bytes::from_static(b"pay_1"))
+                            .unwrap()
+                    })
+                }
+            })
+    };
+    let app = |wait| {
+        Router::new()
+            .route("/x", post(|| async { StatusCode::OK }))
+            .layer(layer(wait))
+    };
+    committed_then_died(&store, &schema, "k-not-yet").await;
+    let send = |wait| {
+        app(wait).oneshot(
+            Request::post("/x")
+                .header("idempotency-key", "k-not-yet")
+                .body(Body::empty())
+                .unwrap(),
+        )
+    };
+
+    // Callers that cannot wait: in flight while the dead owner's grace runs, then still in
+    // flight (not outcome-unknown) while the hook has no answer.
+    for _ in 0..50 {
+        let impatient = send(Duration::ZERO).await.unwrap();
+        assert_eq!(impatient.status(), StatusCode::CONFLICT);
+        assert!(impatient.headers().contains_key("retry-after"));
+        let body = impatient.into_body().collect().await.unwrap().to_bytes();
+        let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(problem["type"], problem::IN_FLIGHT, "{problem}");
+        if asked.load(SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(asked.load(SeqCst), 1, "the hook was never asked");
+
+    // A caller that waits is answered once the hook finds the payment (its second try).
+    let patient = send(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(patient.status(), StatusCode::CREATED);
+    assert_eq!(patient.headers()["idempotent-replayed"], "true");
+    let body = patient.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "pay_1");
+    assert_eq!(
+        asked.load(SeqCst),
+        3,
+        "asked until it answered, then stored"
+    );
+    schema.drop().await;
+}
