@@ -1,7 +1,10 @@
 //! Where the store's commands go: one server through a connection manager, or a Redis Cluster
 //! through the cluster driver, behind one connection type.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{Arc, Mutex, PoisonError},
+    time::{Duration, Instant},
+};
 
 use ::redis::{
     Client, Cmd, Pipeline, RedisError, RedisFuture, Value,
@@ -23,17 +26,54 @@ pub(super) enum Backend {
     Cluster(Arc<Cluster>),
 }
 
-/// A Redis Cluster, connected on first use (and again after a failed first connection).
+/// A Redis Cluster, connected on first use (and again after a failed first connection), and
+/// connected afresh from the seeds when its connection keeps failing.
 pub(super) struct Cluster {
     pub(super) seeds: Vec<::redis::ConnectionInfo>,
-    pub(super) connection: OnceCell<ClusterConnection>,
+    connection: Mutex<Arc<OnceCell<ClusterConnection>>>,
+    failing: Mutex<Failing>,
+}
+
+/// How long calls must keep failing (no pause longer than [`CALM`] between two failures)
+/// before the cluster's connection is replaced by a fresh one, and at most how often it is.
+/// The cluster driver follows failovers and moved slots on its own; this is for a connection
+/// that never recovers (a node map or a reconnection stuck on what the cluster was), which
+/// otherwise answers every call for its slots with an error until the process restarts.
+const REBUILD_AFTER: Duration = Duration::from_secs(3);
+/// A pause without failures that ends a run of them.
+const CALM: Duration = Duration::from_secs(1);
+
+/// A run of failed calls: since when, and the last one.
+#[derive(Debug, Default)]
+struct Failing {
+    since: Option<Instant>,
+    last: Option<Instant>,
+}
+
+impl Failing {
+    /// Notes a failure at `now`; whether the run has lasted [`REBUILD_AFTER`] (then it starts
+    /// again, so a connection is replaced at most once per [`REBUILD_AFTER`]).
+    fn failed(&mut self, now: Instant) -> bool {
+        let calm = self.last.is_none_or(|last| now - last > CALM);
+        self.last = Some(now);
+        let since = match self.since {
+            Some(since) if !calm => since,
+            _ => *self.since.insert(now),
+        };
+        let lasted = now - since >= REBUILD_AFTER;
+        if lasted {
+            self.since = Some(now);
+        }
+        lasted
+    }
 }
 
 impl Cluster {
     pub(super) fn new(seeds: Vec<::redis::ConnectionInfo>) -> Self {
         Self {
             seeds,
-            connection: OnceCell::new(),
+            connection: Mutex::default(),
+            failing: Mutex::default(),
         }
     }
 
@@ -43,6 +83,34 @@ impl Cluster {
             .response_timeout(timeout)
             .build()
     }
+
+    /// The cluster's connection, made on first use (and on the first use after it was
+    /// replaced).
+    pub(super) async fn connection(
+        &self,
+        timeout: Duration,
+    ) -> Result<ClusterConnection, RedisError> {
+        let cell = Arc::clone(&lock(&self.connection));
+        let connect = async || self.client(timeout)?.get_async_connection().await;
+        cell.get_or_try_init(connect).await.cloned()
+    }
+
+    /// Notes a call that failed for want of the cluster (a connection, a node, a slot: not an
+    /// error the server answered), and replaces the connection when they have kept failing
+    /// for [`REBUILD_AFTER`]: the next call connects afresh from the seeds.
+    pub(super) fn failed(&self) {
+        if lock(&self.failing).failed(Instant::now()) {
+            tracing::warn!(
+                after = ?REBUILD_AFTER,
+                "calls to the Redis Cluster kept failing; connecting to it afresh"
+            );
+            *lock(&self.connection) = Arc::default();
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A connection to the one server or to the cluster.
@@ -143,4 +211,26 @@ pub(super) fn slot_ranges(ranges: Vec<Vec<Value>>) -> Result<Vec<SlotRange>, Red
         entries.push(((start, end), (from(master.next())?, from(master.next())?)));
     }
     Ok(entries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_is_replaced_only_after_failures_that_keep_coming() {
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let mut failing = Failing::default();
+        // Failures 500 ms apart: the run lasts, and at 3 s the connection is replaced.
+        assert!(!(0..6).any(|n| failing.failed(at(n * 500))));
+        assert!(failing.failed(at(3000)));
+        // A new run starts there: not again before another 3 s.
+        assert!(!failing.failed(at(3500)));
+        assert!(!failing.failed(at(5500)), "a calm of 2 s ended the run");
+        assert!(!failing.failed(at(8000)), "and another");
+        // Occasional failures (a failover's few) never add up to a run.
+        let mut occasional = Failing::default();
+        assert!(!(0..20).any(|n| occasional.failed(at(n * 1500))));
+    }
 }

@@ -15,7 +15,7 @@ use std::{
 };
 
 use ::redis::{
-    Client, ErrorKind, IntoConnectionInfo, RedisError, Script, ServerErrorKind, Value,
+    Client, ErrorKind, IntoConnectionInfo, RedisError, RetryMethod, Script, ServerErrorKind, Value,
     aio::{ConnectionManager, ConnectionManagerConfig},
 };
 
@@ -255,9 +255,7 @@ impl RedisStore {
                 Ok(Connection::Server(manager.clone()))
             }
             Backend::Cluster(cluster) => {
-                let connect = async || cluster.client(self.timeout)?.get_async_connection().await;
-                let connection = cluster.connection.get_or_try_init(connect).await?;
-                Ok(Connection::Cluster(connection.clone()))
+                Ok(Connection::Cluster(cluster.connection(self.timeout).await?))
             }
         }
     }
@@ -297,14 +295,22 @@ impl RedisStore {
             invoke(&mut connection).await
         };
         let timeout = self.timeout;
-        super::bounded(STORE, timeout, work, |error| {
+        let mut cluster_failed = false;
+        let result = super::bounded(STORE, timeout, work, |error| {
+            cluster_failed = !matches!(error.retry_method(), RetryMethod::NoRetry);
             if error.is_timeout() {
                 StoreError::timeout(STORE, timeout)
             } else {
                 StoreError::backend(STORE, error)
             }
         })
-        .await
+        .await;
+        if let Backend::Cluster(cluster) = &self.backend
+            && (cluster_failed || matches!(result, Err(StoreError::Timeout { .. })))
+        {
+            cluster.failed();
+        }
+        result
     }
 
     /// Runs an owner-checked script that answers 1 (applied) or 0 (not the owner), on the
