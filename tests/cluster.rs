@@ -259,9 +259,11 @@ async fn once_the_cluster_settles_after_a_killed_master_every_key_is_served_with
             let pids: Vec<u32> = (cluster.ports.iter().map(|&p| cluster.pid_of(p)))
                 .filter(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
                 .collect();
-            pids.iter().for_each(|&pid| support::signal_pid(pid, "-STOP"));
+            pids.iter()
+                .for_each(|&pid| support::signal_pid(pid, "-STOP"));
             std::thread::sleep(Duration::from_secs(5));
-            pids.iter().for_each(|&pid| support::signal_pid(pid, "-CONT"));
+            pids.iter()
+                .for_each(|&pid| support::signal_pid(pid, "-CONT"));
             cluster.wait_until_settled();
         })
     };

@@ -289,19 +289,15 @@ pub(crate) async fn load(
 ) -> Vec<u64> {
     let body = Bytes::from(payment_body());
     let stop = Arc::new(AtomicBool::new(false));
-    let errors = Arc::new(AtomicU64::new(0));
+    // Failed requests by what failed them (a status, or the client's error), to tell the
+    // server's refusals from a connection the client lost.
+    let errors: Arc<Mutex<BTreeMap<String, u64>>> = Arc::default();
     let tasks: Vec<_> = (0..connections)
         .map(|c| {
             let (body, stop, errors) = (body.clone(), Arc::clone(&stop), Arc::clone(&errors));
             let prefix = prefix.to_owned();
             tokio::spawn(async move {
-                let stream = tokio::net::TcpStream::connect(address).await.unwrap();
-                stream.set_nodelay(true).unwrap();
-                let (mut sender, connection) =
-                    hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                        .await
-                        .unwrap();
-                tokio::spawn(connection);
+                let mut sender = connect(address).await;
                 let mut latencies = Vec::with_capacity(8192);
                 let mut n = 0u64;
                 while !stop.load(Relaxed) {
@@ -317,18 +313,24 @@ pub(crate) async fn load(
                         .body(Full::new(body.clone()))
                         .unwrap();
                     let started = Instant::now();
-                    let ok = match sender.send_request(request).await {
+                    let failed = match sender.send_request(request).await {
                         Ok(response) => {
                             let status = response.status();
-                            response.into_body().collect().await.is_ok()
-                                && status == StatusCode::CREATED
+                            match response.into_body().collect().await {
+                                Ok(_) if status == StatusCode::CREATED => None,
+                                Ok(_) => Some(format!("answered {status}")),
+                                Err(error) => Some(format!("body: {error}")),
+                            }
                         }
-                        Err(_) => false,
+                        Err(error) => Some(format!("request: {error}")),
                     };
-                    if ok {
-                        latencies.push(started.elapsed().as_micros() as u64);
-                    } else {
-                        errors.fetch_add(1, Relaxed);
+                    match failed {
+                        None => latencies.push(started.elapsed().as_micros() as u64),
+                        Some(failed) => *errors.lock().unwrap().entry(failed).or_default() += 1,
+                    }
+                    // A connection lost is one failure, not one per request sent on it after.
+                    if sender.is_closed() && !stop.load(Relaxed) {
+                        sender = connect(address).await;
                     }
                     if workload == "prime" {
                         break;
@@ -346,13 +348,26 @@ pub(crate) async fn load(
     for task in tasks {
         all.extend(task.await.unwrap());
     }
-    let errors = errors.load(Relaxed);
+    let errors = std::mem::take(&mut *errors.lock().unwrap());
+    let failed: u64 = errors.values().sum();
     assert!(
-        errors * 1000 <= all.len() as u64 + 1000,
-        "{workload}: {errors} failed requests against {} answered",
+        failed * 1000 <= all.len() as u64 + 1000,
+        "{workload}: {failed} failed requests against {} answered: {errors:?}",
         all.len()
     );
     all
+}
+
+/// A keep-alive HTTP/1 connection to `address`, without Nagle's delay.
+async fn connect(address: SocketAddr) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
+    let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    stream.set_nodelay(true).unwrap();
+    let (sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    sender
 }
 
 /// A 1 KiB JSON body.

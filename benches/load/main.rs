@@ -59,7 +59,7 @@ use std::{
     net::{Ipv4Addr, SocketAddr, TcpListener},
     process::{Child, Command, Stdio},
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
     },
     time::{Duration, Instant},
