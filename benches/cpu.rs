@@ -21,7 +21,8 @@ use http_body_util::BodyExt;
 use sha2::{Digest, Sha256};
 use tower::ServiceExt;
 use tower_idempotency::{
-    Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse, store::CachedStore,
+    IdempotencyKey, IdempotencyLayer, MemoryStore, store::CachedStore, store::Fingerprint,
+    store::StoredResponse,
 };
 
 /// About 200 bytes, as a payment API answers.

@@ -30,9 +30,7 @@ use std::{
 
 use payments_proto::{CreatePaymentRequest, Payment, Payments, PaymentsServer};
 use tonic::{Request, Response, Status};
-use tower_idempotency::{
-    DEFAULT_LEASE, DEFAULT_WAIT, IdempotencyClaim, IdempotencyLayer, MemoryStore,
-};
+use tower_idempotency::{IdempotencyClaim, IdempotencyLayer, MemoryStore};
 
 /// Payments, and the charges the mock provider made per key (never more than one).
 #[derive(Default)]
@@ -111,8 +109,14 @@ async fn main() {
         .layer(
             IdempotencyLayer::new(MemoryStore::new())
                 .with_key_required(true)
-                .with_lease(env_millis("IDEMPOTENCY_LEASE_MS", DEFAULT_LEASE))
-                .with_wait(env_millis("IDEMPOTENCY_WAIT_MS", DEFAULT_WAIT)),
+                .with_lease(env_millis(
+                    "IDEMPOTENCY_LEASE_MS",
+                    IdempotencyLayer::DEFAULT_LEASE,
+                ))
+                .with_wait(env_millis(
+                    "IDEMPOTENCY_WAIT_MS",
+                    IdempotencyLayer::DEFAULT_WAIT,
+                )),
         )
         .add_service(PaymentsServer::new(ledger))
         .serve(addr)

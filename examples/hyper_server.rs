@@ -19,7 +19,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::{body::Incoming, server::conn::http1};
 use hyper_util::{rt::TokioIo, service::TowerToHyperService};
 use tower::ServiceBuilder;
-use tower_idempotency::{IdempotencyClaim, IdempotencyLayer, MemoryStore, RequestBody};
+use tower_idempotency::{IdempotencyClaim, IdempotencyLayer, MemoryStore, body::RequestBody};
 
 static ORDERS: AtomicU64 = AtomicU64::new(0);
 

@@ -8,10 +8,11 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response};
 
 use crate::{
-    IdempotencyKey, IdempotencyOutcome, StoredResponse,
+    IdempotencyKey, IdempotencyOutcome,
     body::ResponseBody,
     headers::{self, IDEMPOTENT_REPLAYED, vary_names},
     problem::{Problem, Rejection},
+    response::StoredResponse,
     telemetry::Telemetry,
 };
 

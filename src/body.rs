@@ -1,4 +1,6 @@
-//! The request and response bodies the layer hands on.
+//! The request and response bodies the layer hands on: the handler's request body
+//! ([`RequestBody`], already read when the layer had to fingerprint it) and the body of every
+//! answer ([`ResponseBody`]).
 
 use std::{
     pin::Pin,

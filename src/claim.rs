@@ -48,7 +48,7 @@ impl IdempotencyClaim {
         Self {
             lease,
             retention,
-            lease_duration: crate::DEFAULT_LEASE,
+            lease_duration: crate::settings::DEFAULT_LEASE,
             rules: Arc::default(),
             request_headers: Arc::default(),
         }
@@ -266,7 +266,7 @@ impl IdempotencyClaim {
                 record: self.lease.record().clone(),
                 source,
             })?;
-        let stored = crate::StoredResponse::of_outcome(outcome.into());
+        let stored = crate::response::StoredResponse::of_outcome(outcome.into());
         crate::store::commit(connection, &self.lease, times, Some(&stored)).await
     }
 }

@@ -22,7 +22,9 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use uuid::Uuid;
 
 use crate::{
-    Fingerprint, IdempotencyKey, StoredResponse,
+    IdempotencyKey,
+    fingerprint::Fingerprint,
+    response::StoredResponse,
     store::{
         BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, RecordState, Store,
         StoreError,

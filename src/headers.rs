@@ -1,8 +1,12 @@
-//! Header names and values the layer reads or writes on the wire.
+//! The header names of the protocol: the key a request carries, and what the layer says on its
+//! answers. (Within the crate: the values the layer reads and writes on the wire.)
 
 use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderName, HeaderValue, header::VARY};
+
+/// The request header that carries the key (`Idempotency-Key`; gRPC metadata `idempotency-key`).
+pub static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// The header that marks a replayed response (`Idempotent-Replayed: true`). A `HeaderName`, not
 /// a string: a map given a string parses it on every call, and copies a name it does not know

@@ -4,12 +4,6 @@ use std::fmt;
 
 use http::{HeaderMap, HeaderName};
 
-/// The request header that carries the key (`Idempotency-Key`; gRPC metadata `idempotency-key`).
-pub static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// The longest key accepted, in characters, after unquoting.
-pub const MAX_KEY_LEN: usize = 255;
-
 /// A validated idempotency key: 1 to 255 visible ASCII characters.
 ///
 /// The header may carry an RFC 8941 string (`"8e03978e-40d5"`, as the IETF draft specifies) or the
@@ -18,6 +12,9 @@ pub const MAX_KEY_LEN: usize = 255;
 pub struct IdempotencyKey(String);
 
 impl IdempotencyKey {
+    /// The longest key accepted, in characters, after unquoting: 255.
+    pub const MAX_LEN: usize = 255;
+
     /// Parses one header value.
     ///
     /// The value is an RFC 8941 item: a string (`"order-42"`) or, as most clients send it, a bare
@@ -51,7 +48,7 @@ impl IdempotencyKey {
         if key.is_empty() {
             return Err(KeyError::Empty);
         }
-        if key.len() > MAX_KEY_LEN {
+        if key.len() > Self::MAX_LEN {
             return Err(KeyError::TooLong { len: key.len() });
         }
         if let Some(&byte) = key.iter().find(|b| !b.is_ascii_graphic()) {
@@ -115,8 +112,11 @@ pub enum KeyError {
     /// The key is empty.
     #[error("the idempotency key is empty")]
     Empty,
-    /// The key is longer than [`MAX_KEY_LEN`].
-    #[error("the idempotency key has {len} characters; at most {MAX_KEY_LEN} are allowed")]
+    /// The key is longer than [`IdempotencyKey::MAX_LEN`].
+    #[error(
+        "the idempotency key has {len} characters; at most {} are allowed",
+        IdempotencyKey::MAX_LEN
+    )]
     TooLong {
         /// The length after unquoting.
         len: usize,
@@ -224,10 +224,10 @@ mod tests {
 
     #[test]
     fn length_limits_apply_after_unquoting() {
-        let max = "k".repeat(MAX_KEY_LEN);
+        let max = "k".repeat(IdempotencyKey::MAX_LEN);
         assert!(IdempotencyKey::parse(max.as_bytes()).is_ok());
         assert!(IdempotencyKey::parse(format!("\"{max}\"").as_bytes()).is_ok());
-        let over = "k".repeat(MAX_KEY_LEN + 1);
+        let over = "k".repeat(IdempotencyKey::MAX_LEN + 1);
         assert_eq!(
             IdempotencyKey::parse(over.as_bytes()),
             Err(KeyError::TooLong { len: 256 })
@@ -308,7 +308,7 @@ mod tests {
 
     #[test]
     fn headers_missing_single_and_repeated() {
-        let name = &IDEMPOTENCY_KEY;
+        let name = &crate::headers::IDEMPOTENCY_KEY;
         let mut headers = HeaderMap::new();
         assert_eq!(IdempotencyKey::from_headers(&headers, name), Ok(None));
         headers.insert(name, HeaderValue::from_static("k1"));

@@ -7,10 +7,11 @@ use http::{HeaderName, Method, request::Parts};
 use tower_layer::Layer;
 
 use crate::{
-    CompletionPolicy, Idempotency,
+    Idempotency,
+    policy::CompletionPolicy,
     problem::Problem,
     protocol::{Engine, State},
-    settings::Settings,
+    settings::{self, Settings},
     store::{BoxFuture, RecordKey, Store},
     telemetry::{Counters, Family, Telemetry},
 };
@@ -41,6 +42,34 @@ pub struct IdempotencyLayer {
 }
 
 /// # Construction
+/// # Defaults: what each setting is until it is set
+impl IdempotencyLayer {
+    /// The lease: how long a claim survives its instance without renewal
+    /// ([`with_lease`](Self::with_lease)): 30 s.
+    pub const DEFAULT_LEASE: Duration = settings::DEFAULT_LEASE;
+    /// How long a completed key's answer is replayed ([`with_retention`](Self::with_retention)):
+    /// 24 hours.
+    pub const DEFAULT_RETENTION: Duration = settings::DEFAULT_RETENTION;
+    /// How long a duplicate waits for the first request with its key
+    /// ([`with_wait`](Self::with_wait)): 10 s.
+    pub const DEFAULT_WAIT: Duration = settings::DEFAULT_WAIT;
+    /// The longest wait a duplicate may ask for with `Prefer: wait=N`
+    /// ([`with_max_wait`](Self::with_max_wait)): 60 s.
+    pub const DEFAULT_MAX_WAIT: Duration = settings::DEFAULT_MAX_WAIT;
+    /// The limit of a guarded request body ([`with_max_request_body`](Self::with_max_request_body)):
+    /// 1 MiB.
+    pub const DEFAULT_MAX_REQUEST_BODY: usize = settings::DEFAULT_MAX_REQUEST_BODY;
+    /// How long a guarded request body may take to arrive
+    /// ([`with_request_body_timeout`](Self::with_request_body_timeout)): 30 s.
+    pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = settings::DEFAULT_REQUEST_BODY_TIMEOUT;
+    /// The largest response body stored for replay
+    /// ([`with_max_response_body`](Self::with_max_response_body)): 1 MiB.
+    pub const DEFAULT_MAX_RESPONSE_BODY: usize = crate::response::DEFAULT_MAX_RESPONSE_BODY;
+    /// How long a response that could not be stored is retried, its key held
+    /// ([`with_finalize_deadline`](Self::with_finalize_deadline)): 10 minutes.
+    pub const DEFAULT_FINALIZE_DEADLINE: Duration = settings::DEFAULT_FINALIZE_DEADLINE;
+}
+
 impl IdempotencyLayer {
     /// A layer on `store`, with the defaults: guards POST and PATCH; reads the key from
     /// `Idempotency-Key`; a missing key passes through; keys are scoped by the caller's
@@ -337,7 +366,7 @@ impl IdempotencyLayer {
 
     /// Says on every answer that stands for the key's outcome until when that key is
     /// protected: `Idempotency-Key-Protected-Until`, an HTTP date
-    /// ([`IDEMPOTENCY_KEY_PROTECTED_UNTIL`](crate::IDEMPOTENCY_KEY_PROTECTED_UNTIL)). Off by
+    /// ([`IDEMPOTENCY_KEY_PROTECTED_UNTIL`](crate::headers::IDEMPOTENCY_KEY_PROTECTED_UNTIL)). Off by
     /// default.
     ///
     /// Until then, a retry with the key gets the outcome (the replay, or past the retention the

@@ -39,7 +39,7 @@
 //!
 //! Answers that say nothing was executed (400, 401, 403, 404, 405, 413, 415, 422: router,
 //! extractor and authentication rejections) release the key, so the corrected request runs; see
-//! [`CompletionPolicy`].
+//! [`CompletionPolicy`](policy::CompletionPolicy).
 //!
 //! Rejections are `application/problem+json` responses (see [`problem`] for the `type` URIs),
 //! or gRPC statuses for gRPC callers: never service errors, so the layer's error type is the
@@ -109,36 +109,26 @@ mod claim;
 mod settings;
 mod answers;
 pub mod problem;
-mod policy;
+pub mod policy;
 pub mod scope;
-mod body;
+pub mod body;
 pub mod store;
 mod response;
 mod fingerprint;
 mod key;
 mod grpc;
-mod headers;
+pub mod headers;
 pub mod telemetry;
 mod outcome;
 
 pub use self::{
-    body::{RequestBody, ResponseBody},
     claim::IdempotencyClaim,
-    fingerprint::Fingerprint,
     future::ResponseFuture,
-    headers::IDEMPOTENCY_KEY_PROTECTED_UNTIL,
-    key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN},
+    key::{IdempotencyKey, KeyError},
     layer::IdempotencyLayer,
     outcome::IdempotencyOutcome,
-    policy::{Completion, CompletionPolicy, ResponseSummary},
-    response::{DEFAULT_MAX_RESPONSE_BODY, DecodeError, StoredResponse},
     service::Idempotency,
-    settings::{
-        DEFAULT_FINALIZE_DEADLINE, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_WAIT,
-        DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_RETENTION, DEFAULT_WAIT,
-    },
     store::MemoryStore,
-    telemetry::{Counters, CountersSnapshot},
 };
 #[cfg(feature = "axum")]
 pub use claim::MissingClaim;

@@ -1,4 +1,5 @@
-//! Which responses are stored for replay, and which free the key for a clean retry.
+//! Which responses are stored for replay, and which free the key for a clean retry:
+//! [`IdempotencyLayer::with_completion_policy`](crate::IdempotencyLayer::with_completion_policy).
 
 use std::{fmt, sync::Arc};
 
@@ -60,7 +61,7 @@ impl CompletionPolicy {
     /// A policy from a function.
     ///
     /// ```
-    /// use tower_idempotency::{Completion, CompletionPolicy};
+    /// use tower_idempotency::policy::{Completion, CompletionPolicy};
     ///
     /// // Store every answer, even 5xx (Stripe's choice).
     /// let policy = CompletionPolicy::new(|_| Completion::Complete);

@@ -151,7 +151,7 @@ impl StoredResponse {
 }
 
 /// Default limit of a response body kept for replay: 1 MiB.
-pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
+pub(crate) const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
 
 /// What of a response is stored: every header but the hop-by-hop ones and the configured
 /// per-exchange ones, and the body up to the cache limit.

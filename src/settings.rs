@@ -7,9 +7,9 @@ use bytes::Bytes;
 use http::{HeaderName, Method, request::Parts};
 
 use crate::{
-    CompletionPolicy,
     answers::Answers,
     fingerprint::BodyFingerprintFn,
+    policy::CompletionPolicy,
     response::StoreRules,
     scope,
     store::{BoxFuture, RecordKey, Store},
@@ -17,19 +17,19 @@ use crate::{
 };
 
 /// Default limit of a guarded request body: 1 MiB.
-pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
+pub(crate) const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
 /// Default time a guarded request body may take to arrive: 30 s.
-pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default lease: how long a claim survives its instance without renewal.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// Default retention of completed keys: 24 hours.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 /// Default time a duplicate waits for the first request with its key: 10 s.
-pub const DEFAULT_WAIT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_WAIT: Duration = Duration::from_secs(10);
 /// Default longest wait a duplicate may ask for (`Prefer: wait=N`): 60 s.
-pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(60);
 /// Default time a response that could not be stored is retried, with its key held: 10 minutes.
-pub const DEFAULT_FINALIZE_DEADLINE: Duration = Duration::from_secs(10 * 60);
+pub(crate) const DEFAULT_FINALIZE_DEADLINE: Duration = Duration::from_secs(10 * 60);
 
 /// The scope function of [`IdempotencyLayer::with_scope`](crate::IdempotencyLayer::with_scope).
 pub(crate) type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
@@ -82,7 +82,7 @@ impl Settings {
         Self {
             store,
             methods: vec![Method::POST, Method::PATCH],
-            key_header: crate::IDEMPOTENCY_KEY.clone(),
+            key_header: crate::headers::IDEMPOTENCY_KEY.clone(),
             key_required: false,
             scope: Arc::new(scope::by_credentials),
             fingerprint_headers: Vec::new(),

@@ -60,7 +60,8 @@ use serde::{Serialize, de::DeserializeOwned};
 #[cfg(feature = "postgres")]
 use crate::protocol::{deliver_batch_in_transaction, deliver_in_transaction};
 use crate::{
-    Fingerprint, IdempotencyClaim, IdempotencyKey, KeyError,
+    IdempotencyClaim, IdempotencyKey, KeyError,
+    fingerprint::Fingerprint,
     protocol::{Delivered, Engine, State, deliver},
     settings::Settings,
     store::{BoxFuture, RecordKey, Store, StoreError},

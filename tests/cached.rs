@@ -16,7 +16,9 @@ use axum::{Router, body::Body, routing::post};
 use http::{HeaderMap, Request, StatusCode};
 use support::{RedisServer, call};
 use tower_idempotency::{
-    Fingerprint, IdempotencyLayer, StoredResponse,
+    IdempotencyLayer,
+    store::Fingerprint,
+    store::StoredResponse,
     store::{
         CachedStore, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, RedisStore, Store,
     },

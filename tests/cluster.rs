@@ -18,7 +18,8 @@ use support::{
 };
 use tower::ServiceExt;
 use tower_idempotency::{
-    IdempotencyLayer, StoredResponse,
+    IdempotencyLayer,
+    store::StoredResponse,
     store::{CachedStore, ClaimOutcome, Ownership, PostgresStore, RedisStore, Store, TieredStore},
 };
 use uuid::Uuid;

@@ -671,7 +671,7 @@ async fn a_body_limit_outside_is_a_413_whichever_limit_tripped() {
         .layer(RequestBodyLimitLayer::new(4096))
         .layer(IdempotencyLayer::new(MemoryStore::new()))
         .service(tower::service_fn(
-            |_: Request<tower_idempotency::RequestBody<_>>| async {
+            |_: Request<tower_idempotency::body::RequestBody<_>>| async {
                 Ok::<_, Infallible>(http::Response::new(Body::from("ran")))
             },
         ));

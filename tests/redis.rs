@@ -16,7 +16,8 @@ use http::{HeaderMap, StatusCode};
 use support::{RedisServer, claim_request, eventually, redis_connection, redis_url};
 use tower::ServiceExt;
 use tower_idempotency::{
-    IdempotencyLayer, StoredResponse,
+    IdempotencyLayer,
+    store::StoredResponse,
     store::{ClaimOutcome, Ownership, RedisStore, Store, StoreError},
 };
 use uuid::Uuid;

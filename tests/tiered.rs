@@ -9,7 +9,7 @@ use support::{
     RedisServer, TestSchema, acquire, claim_request, database_url, pool_in_schema, redis_url,
 };
 use tower_idempotency::{
-    StoredResponse,
+    store::StoredResponse,
     store::{ClaimOutcome, ClaimRequest, Ownership, PostgresStore, RedisStore, Store, TieredStore},
 };
 use uuid::Uuid;

@@ -78,7 +78,9 @@ use http_body_util::{BodyExt, Full};
 use redis::{AsyncCommands, aio::ConnectionManager};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tower_idempotency::{
-    Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, StoredResponse,
+    IdempotencyKey, IdempotencyLayer, MemoryStore,
+    store::Fingerprint,
+    store::StoredResponse,
     store::{
         CachedStore, ClaimOutcome, ClaimRequest, DEFAULT_MEMORY_MAX_ENTRIES,
         DEFAULT_POSTGRES_BATCH, DISTRIBUTE_ON_CITUS, PARTITION_BY_HASH, PostgresStore, RecordKey,

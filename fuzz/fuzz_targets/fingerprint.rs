@@ -11,7 +11,7 @@ use arbitrary::Arbitrary;
 use http::{HeaderName, HeaderValue, Method, Request, request::Parts};
 use libfuzzer_sys::fuzz_target;
 use sha2::{Digest, Sha256};
-use tower_idempotency::{Fingerprint, fingerprint_input};
+use tower_idempotency::{fingerprint_input, store::Fingerprint};
 
 #[derive(Arbitrary, Debug)]
 struct Input {

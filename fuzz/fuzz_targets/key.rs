@@ -6,14 +6,17 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tower_idempotency::{IdempotencyKey, MAX_KEY_LEN};
+use tower_idempotency::IdempotencyKey;
 
 fuzz_target!(|value: &[u8]| {
     let Ok(key) = IdempotencyKey::parse(value) else {
         return;
     };
     let text = key.as_str();
-    assert!((1..=MAX_KEY_LEN).contains(&text.len()), "{key:?}");
+    assert!(
+        (1..=IdempotencyKey::MAX_LEN).contains(&text.len()),
+        "{key:?}"
+    );
     assert!(text.bytes().all(|b| b.is_ascii_graphic()), "{key:?}");
 
     let mut quoted = String::from("\"");

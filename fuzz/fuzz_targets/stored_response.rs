@@ -8,7 +8,7 @@
 
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
-use tower_idempotency::StoredResponse;
+use tower_idempotency::store::StoredResponse;
 
 fuzz_target!(|record: &[u8]| {
     let Ok(response) = StoredResponse::decode(Bytes::copy_from_slice(record)) else {

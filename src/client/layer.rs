@@ -101,7 +101,7 @@ impl IdempotencyClientLayer {
     pub fn new() -> Self {
         let settings = ClientSettings {
             methods: vec![Method::POST, Method::PATCH],
-            key_header: crate::IDEMPOTENCY_KEY.clone(),
+            key_header: crate::headers::IDEMPOTENCY_KEY.clone(),
             max_attempts: DEFAULT_CLIENT_ATTEMPTS,
             deadline: DEFAULT_CLIENT_DEADLINE,
             attempt_timeout: DEFAULT_ATTEMPT_TIMEOUT,

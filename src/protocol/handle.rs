@@ -17,11 +17,13 @@ use tower_service::Service;
 
 use super::{Caller, Engine, Outcome, Reply};
 use crate::{
-    Completion, IdempotencyKey, IdempotencyOutcome, StoredResponse,
+    IdempotencyKey, IdempotencyOutcome,
     body::{LiveFrame, RequestBody, ResponseBody, concat},
     headers::varied_request_headers,
+    policy::Completion,
     policy::ResponseSummary,
     problem::Rejection,
+    response::StoredResponse,
     store::BoxError,
 };
 

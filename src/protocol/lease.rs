@@ -9,7 +9,8 @@ use tokio::{task::JoinHandle, time::Instant};
 
 use super::Engine;
 use crate::{
-    Completion, StoredResponse,
+    policy::Completion,
+    response::StoredResponse,
     store::{ClaimRequest, Lease, Ownership, StoreError},
     telemetry::Operation,
 };

@@ -38,10 +38,12 @@ use self::{
     wait::{Durations, Waiters},
 };
 use crate::{
-    Completion, IdempotencyClaim, IdempotencyKey, IdempotencyOutcome, StoredResponse,
+    IdempotencyClaim, IdempotencyKey, IdempotencyOutcome,
     body::{RequestBody, ResponseBody},
     grpc, headers,
+    policy::Completion,
     problem::Rejection,
+    response::StoredResponse,
     settings::Settings,
     store::{BoxError, ClaimRequest, Lease, RecordKey, Store},
     telemetry::Telemetry,

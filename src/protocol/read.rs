@@ -7,7 +7,7 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError};
 
 use crate::{
-    Fingerprint, body::concat, fingerprint::FingerprintHasher, problem::Rejection,
+    body::concat, fingerprint::Fingerprint, fingerprint::FingerprintHasher, problem::Rejection,
     settings::Settings, store::BoxError,
 };
 

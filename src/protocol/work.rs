@@ -14,7 +14,10 @@ use super::{
     lease::{self, Finalized, Keeper},
 };
 use crate::{
-    Completion, Fingerprint, IdempotencyClaim, StoredResponse,
+    IdempotencyClaim,
+    fingerprint::Fingerprint,
+    policy::Completion,
+    response::StoredResponse,
     store::{ClaimOutcome, ClaimRequest, Lease, RecordKey, StoreError},
     telemetry::UnitOutcome,
 };

@@ -16,7 +16,7 @@ use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
     Store, StoreError,
 };
-use crate::{Fingerprint, StoredResponse};
+use crate::{fingerprint::Fingerprint, response::StoredResponse};
 
 /// Default bound on how long a cached answer is served without asking the store: 1 s.
 pub const DEFAULT_CACHE_BOUND: Duration = Duration::from_secs(1);

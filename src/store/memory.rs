@@ -14,7 +14,7 @@ use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
     RecordState, Severity, Store, StoreError,
 };
-use crate::{Fingerprint, StoredResponse};
+use crate::{fingerprint::Fingerprint, response::StoredResponse};
 
 /// An in-process store, **for tests and single-process development only**.
 ///

@@ -50,7 +50,11 @@ use std::{
 
 use uuid::Uuid;
 
-use crate::{Fingerprint, IdempotencyKey, StoredResponse};
+use crate::IdempotencyKey;
+pub use crate::{
+    fingerprint::Fingerprint,
+    response::{DecodeError, StoredResponse},
+};
 
 mod cached;
 mod diagnosis;

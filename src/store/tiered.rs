@@ -12,7 +12,7 @@ use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
     Severity, Store, StoreError,
 };
-use crate::StoredResponse;
+use crate::response::StoredResponse;
 
 /// A fast first line (`front`, typically [`RedisStore`](crate::store::RedisStore)) in front of
 /// the source of truth (`authority`, typically [`PostgresStore`](crate::store::PostgresStore)),

@@ -150,7 +150,7 @@ fn failing_body_service(
     good: usize,
     attempts: Arc<AtomicUsize>,
 ) -> impl Service<
-    Request<tower_idempotency::RequestBody<Body>>,
+    Request<tower_idempotency::body::RequestBody<Body>>,
     Response = Response<Body>,
     Error = Infallible,
     Future = impl Send,
@@ -158,7 +158,7 @@ fn failing_body_service(
 + Send
 + 'static {
     tower::service_fn(
-        move |_request: Request<tower_idempotency::RequestBody<Body>>| {
+        move |_request: Request<tower_idempotency::body::RequestBody<Body>>| {
             let attempt = attempts.fetch_add(1, SeqCst);
             async move {
                 let rest: Result<_, std::io::Error> = if attempt == 0 {
@@ -222,7 +222,7 @@ async fn a_service_error_is_passed_on_and_releases_the_key() {
     let attempts = Arc::new(AtomicUsize::new(0));
     let service = tower::service_fn({
         let attempts = Arc::clone(&attempts);
-        move |_request: Request<tower_idempotency::RequestBody<Body>>| {
+        move |_request: Request<tower_idempotency::body::RequestBody<Body>>| {
             let attempt = attempts.fetch_add(1, SeqCst);
             async move {
                 if attempt == 0 {
@@ -285,7 +285,7 @@ async fn the_completion_policy_sees_headers_that_are_not_stored() {
     let service = tower::ServiceBuilder::new()
         .layer(layer)
         .service(tower::service_fn(
-            |_request: Request<tower_idempotency::RequestBody<Body>>| async {
+            |_request: Request<tower_idempotency::body::RequestBody<Body>>| async {
                 let mut response = Response::new(Body::from("final answer"));
                 response
                     .headers_mut()

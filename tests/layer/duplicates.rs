@@ -171,7 +171,7 @@ async fn trailers_are_replayed() {
     let runs = Arc::new(AtomicUsize::new(0));
     let service = tower::service_fn({
         let runs = Arc::clone(&runs);
-        move |_request: Request<tower_idempotency::RequestBody<Body>>| {
+        move |_request: Request<tower_idempotency::body::RequestBody<Body>>| {
             let run = runs.fetch_add(1, SeqCst) + 1;
             async move {
                 let mut trailers = HeaderMap::new();

@@ -30,7 +30,8 @@ use support::{Answer, Faulty, StoreFault};
 use tokio::sync::{Notify, Semaphore};
 use tower::{Service, ServiceExt};
 use tower_idempotency::{
-    Completion, CompletionPolicy, IdempotencyClaim, IdempotencyLayer, MemoryStore, problem,
+    IdempotencyClaim, IdempotencyLayer, MemoryStore, policy::Completion, policy::CompletionPolicy,
+    problem,
 };
 
 /// What the handlers share with the test.

@@ -30,7 +30,9 @@ use support::{
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceExt;
 use tower_idempotency::{
-    Fingerprint, IdempotencyClaim, IdempotencyKey, IdempotencyLayer, StoredResponse, problem,
+    IdempotencyClaim, IdempotencyKey, IdempotencyLayer, problem,
+    store::Fingerprint,
+    store::StoredResponse,
     store::{
         ClaimOutcome, ClaimRequest, FenceError, Lease, MIGRATOR, Ownership, PARTITION_BY_HASH,
         PostgresStore, RecordKey, Store,

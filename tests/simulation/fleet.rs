@@ -25,7 +25,8 @@ use http_body_util::BodyExt;
 use tokio::task::{AbortHandle, JoinHandle};
 use tower::ServiceExt;
 use tower_idempotency::{
-    IdempotencyClaim, IdempotencyLayer, StoredResponse,
+    IdempotencyClaim, IdempotencyLayer,
+    store::StoredResponse,
     store::{BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, Store, StoreError},
     work::{Once, Unit, WorkError},
 };

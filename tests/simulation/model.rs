@@ -11,7 +11,8 @@ use std::{
 
 use tokio::time::Instant;
 use tower_idempotency::{
-    Fingerprint, StoredResponse,
+    store::Fingerprint,
+    store::StoredResponse,
     store::{
         BoxFuture, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, Store, StoreError,
     },

@@ -95,7 +95,7 @@ impl<S: Store> Store for Faulty<S> {
     fn complete<'a>(
         &'a self,
         lease: &'a store::Lease,
-        response: &'a tower_idempotency::StoredResponse,
+        response: &'a tower_idempotency::store::StoredResponse,
         retention: Duration,
     ) -> store::BoxFuture<'a, Result<store::Ownership, store::StoreError>> {
         if let StoreFault::FailingCompletes(failing) = &self.fault

@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::{LOCKED_RETRY, PostgresStore, STORE, backend, batch::SendBatch, millis, sql::*};
 use crate::{
-    StoredResponse,
+    response::StoredResponse,
     store::{BoxError, ClaimOutcome, ClaimRequest, RecordKey, StoreError},
 };
 

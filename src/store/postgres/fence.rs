@@ -6,7 +6,7 @@ use sqlx::{PgConnection, Row};
 
 use super::{millis, sql::*};
 use crate::{
-    StoredResponse,
+    response::StoredResponse,
     store::{Lease, RecordKey},
 };
 

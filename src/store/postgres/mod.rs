@@ -33,7 +33,7 @@ use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
     RecordState, Severity, Store, StoreError,
 };
-use crate::StoredResponse;
+use crate::response::StoredResponse;
 
 /// The default bound on one Postgres operation (acquiring a connection included).
 pub const DEFAULT_POSTGRES_TIMEOUT: Duration = Duration::from_secs(5);

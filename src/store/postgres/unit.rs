@@ -11,7 +11,8 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row, pool::PoolConnect
 pub(crate) use super::backend;
 use super::{STORE, millis, sql::*};
 use crate::{
-    Fingerprint, StoredResponse,
+    fingerprint::Fingerprint,
+    response::StoredResponse,
     store::{RecordKey, StoreError},
 };
 

@@ -29,7 +29,7 @@ use super::{
     BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
     Severity, Store, StoreError,
 };
-use crate::StoredResponse;
+use crate::response::StoredResponse;
 
 /// A store on Redis: fast, and the first line in front of Postgres.
 ///

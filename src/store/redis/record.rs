@@ -9,7 +9,7 @@
 use bytes::Bytes;
 use uuid::Uuid;
 
-use crate::{Fingerprint, StoredResponse};
+use crate::{fingerprint::Fingerprint, response::StoredResponse};
 
 /// The layout of the record (its first byte; the response encoding after it carries its own
 /// version).
