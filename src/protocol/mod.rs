@@ -1,16 +1,18 @@
 //! The engine: one guarded request, from its body to its finalized key, and the live state the
 //! requests of one layer share.
 //!
-//! In the order a request meets them: [`read`] buffers and fingerprints the body, [`claim`]
-//! claims the key (waiting for a duplicate in flight, see [`wait`]), [`lease`] renews the lease
-//! while [`handle`] runs the handler and reads its response, and [`lease`] finalizes the key.
+//! [`run`] is `admit → execute → settle`, one file per phase, in the order a request meets
+//! them: [`admit`](mod@admit) claims the key once [`read`] has buffered and fingerprinted the
+//! body (waiting for a duplicate in flight, see [`wait`]); [`execute`](mod@execute) runs the
+//! handler and reads its response while [`settle`](mod@settle) renews the lease, then
+//! finalizes the key. [`units`] is the same for a unit of work beyond HTTP.
 
-mod claim;
-mod handle;
-mod lease;
+mod admit;
 mod read;
 mod wait;
-mod work;
+mod execute;
+mod settle;
+mod units;
 
 use std::{
     ops::ControlFlow,
@@ -28,13 +30,13 @@ use tokio::{sync::oneshot, time::Instant};
 use tower_service::Service;
 use uuid::Uuid;
 
-pub(crate) use self::work::{Delivered, deliver};
+pub(crate) use self::units::{Delivered, deliver};
 #[cfg(feature = "postgres")]
-pub(crate) use self::work::{deliver_batch_in_transaction, deliver_in_transaction};
+pub(crate) use self::units::{deliver_batch_in_transaction, deliver_in_transaction};
 use self::{
-    claim::Grant,
-    handle::Handled,
-    lease::{Finalized, Keeper, Leases, Standing},
+    admit::Grant,
+    execute::Handled,
+    settle::{Finalized, Keeper, Leases, Standing},
     wait::{Durations, Waiters},
 };
 use crate::{
@@ -225,7 +227,7 @@ where
     let wait = Wait::of(&engine.settings, headers);
     let answer = loop {
         let claimed =
-            claim::claim_or_answer(engine, &claim, headers, wait.budget, grpc, &mut reply).await;
+            admit::claim_or_answer(engine, &claim, headers, wait.budget, grpc, &mut reply).await;
         let grant = match claimed {
             ControlFlow::Continue(grant) => grant,
             ControlFlow::Break(answer) => break answer,
@@ -342,7 +344,7 @@ where
     ));
     let started = Instant::now();
     let key = lease.record().key();
-    let handled = handle::handle(engine, inner, request, &request_headers, reply, key, grpc).await;
+    let handled = execute::handle(engine, inner, request, &request_headers, reply, key, grpc).await;
     let took = started.elapsed();
     engine.state.durations.record(took);
     engine.telemetry.handler_took(took);
@@ -362,7 +364,7 @@ async fn settle<B, E>(
         completion,
     } = handled.outcome;
     let lease = attempt.lease;
-    let mut finalized = lease::finalize(engine, lease, &response, completion, &keeper).await;
+    let mut finalized = settle::finalize(engine, lease, &response, completion, &keeper).await;
     // Answered only now, so that a caller who has its answer finds the key final: a retry sent
     // the moment it arrives is replayed (or runs again, if released), never refused as in
     // flight. If the store keeps failing, the caller is answered anyway and the write goes on
@@ -385,7 +387,7 @@ async fn settle<B, E>(
         let _ = reply.send(answer);
     }
     if let Finalized::Failing = finalized {
-        let later = lease::finalize_later(engine, lease, &response, completion, &keeper);
+        let later = settle::finalize_later(engine, lease, &response, completion, &keeper);
         finalized = Box::pin(later).await;
     }
     drop(keeper);
@@ -408,7 +410,7 @@ async fn answer_superseded<B, E>(engine: &Engine, attempt: &Attempt<'_>, mut rep
     );
     let wait = Wait::of(settings, attempt.headers);
     let grpc = attempt.grpc;
-    let claimed = claim::claim_or_answer(
+    let claimed = admit::claim_or_answer(
         engine,
         &again,
         attempt.headers,

@@ -9,9 +9,9 @@ use tokio::time::Instant;
 
 use super::{
     Engine, Kept,
-    claim::{Grant, claim_once, while_in_flight},
+    admit::{Grant, claim_once, while_in_flight},
     hold_grant,
-    lease::{self, Finalized, Keeper},
+    settle::{self, Finalized, Keeper},
 };
 use crate::{
     IdempotencyClaim,
@@ -176,9 +176,9 @@ async fn settle(
     completion: Completion,
     keeper: Keeper,
 ) -> Finalized {
-    let mut finalized = lease::finalize(engine, lease, stored, completion, &keeper).await;
+    let mut finalized = settle::finalize(engine, lease, stored, completion, &keeper).await;
     if let Finalized::Failing = finalized {
-        let later = lease::finalize_later(engine, lease, stored, completion, &keeper);
+        let later = settle::finalize_later(engine, lease, stored, completion, &keeper);
         finalized = Box::pin(later).await;
     }
     drop(keeper);
