@@ -21,7 +21,7 @@ const STALE_AFTER: Duration = Duration::from_secs(30);
 ///
 /// Three reasons. sqlx's pool checks a connection with a round trip when it takes it back (and,
 /// unless `test_before_acquire(false)`, when it hands it out), in a task spawned per statement.
-/// Measured side by side (BENCHMARKS.md, "The store's connections"), sqlx's `PgPool` with
+/// Measured side by side (BENCHMARKS-LOG.md, "The store's connections"), sqlx's `PgPool` with
 /// `test_before_acquire(false)` and the same session settings served 0.72-0.81x the fresh keys
 /// and 0.66-0.81x the replays of these connections, at 1.3-1.7x the application CPU. A connection of our own can carry session settings that are the
 /// store's business alone: `enable_seqscan = off`, and a statement timeout, so that a statement
@@ -38,7 +38,7 @@ const STALE_AFTER: Duration = Duration::from_secs(30);
 /// Why `plan_cache_mode = force_generic_plan`: on a hash-partitioned table (the optional
 /// migration) Postgres prices the generic plan as a scan of every partition, prefers a custom
 /// plan, and so plans every execution; forced, the generic plan prunes to one partition when it
-/// runs. Measured side by side (BENCHMARKS.md, "Partitioned, measured again"), the partitioned
+/// runs. Measured side by side (BENCHMARKS-LOG.md, "Partitioned, measured again"), the partitioned
 /// table went from 0.63-0.65x the plain one's fresh keys to 0.75-1.09x with 16 partitions, and
 /// to 0.92-1.13x with the migration's 4. On the plain table the generic plan is the one Postgres
 /// picks anyway, from the first execution instead of the sixth.

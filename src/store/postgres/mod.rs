@@ -114,7 +114,7 @@ impl Lanes {
     /// eighth of the connections each for claims and completions, which every request sends
     /// (two each of the default 16). Fewer lanes make larger batches under load, so fewer
     /// statements, round trips and commits per key: in consecutive runs of the load bench
-    /// (BENCHMARKS.md, "Two lanes"), two lanes each served fresh keys at 51-54 µs of application
+    /// (BENCHMARKS-LOG.md, "Two lanes"), two lanes each served fresh keys at 51-54 µs of application
     /// CPU and 114 µs of Postgres CPU a request, four at 71-82 and 164; one lane was no faster,
     /// with a longer tail. One lane each for releases and renewals, whose batches are rarer.
     /// With batches of one, a lane is a statement: every kind may use every connection, as
