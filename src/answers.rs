@@ -10,6 +10,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response};
 use crate::{
     IdempotencyKey, IdempotencyOutcome,
     body::ResponseBody,
+    grpc::Wire,
     headers::{self, IDEMPOTENT_REPLAYED, vary_names},
     problem::{Problem, Rejection},
     response::StoredResponse,
@@ -50,11 +51,11 @@ impl Answers {
         telemetry: &Telemetry,
         rejection: Rejection,
         key: Option<&IdempotencyKey>,
-        grpc: bool,
+        wire: Wire,
     ) -> Response<ResponseBody<B>> {
         let outcome = rejection.outcome();
         let mut response = self
-            .render(rejection, key, grpc)
+            .render(rejection, key, wire)
             .map(|body| ResponseBody::full(body, None));
         self.report(telemetry, outcome, &mut response);
         response
@@ -125,11 +126,11 @@ impl Answers {
         &self,
         rejection: Rejection,
         key: Option<&IdempotencyKey>,
-        grpc: bool,
+        wire: Wire,
     ) -> Response<Bytes> {
         let problem = rejection.problem(key);
         match &self.problem_response {
-            _ if grpc => problem.to_grpc_response(),
+            _ if wire == Wire::Grpc => problem.to_grpc_response(),
             Some(hook) => hook(&problem),
             None => problem.to_response(),
         }

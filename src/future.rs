@@ -16,6 +16,7 @@ use tracing::{Instrument, Span};
 
 use crate::{
     body::ResponseBody,
+    grpc::Wire,
     problem::Rejection,
     protocol::{Engine, Reply},
     store::RecordKey,
@@ -63,7 +64,7 @@ pub(crate) struct Guarded<B, E> {
     /// Who answers if the work ends without an answer, and about which key.
     engine: Arc<Engine>,
     record: Arc<RecordKey>,
-    grpc: bool,
+    wire: Wire,
 }
 
 impl<B, E> Guarded<B, E> {
@@ -91,7 +92,7 @@ impl<B, E> Guarded<B, E> {
         );
         let key = Some(self.record.key());
         self.engine
-            .respond(Rejection::HandlerFailed, key, self.grpc)
+            .respond(Rejection::HandlerFailed, key, self.wire)
     }
 
     /// Hands the unfinished work to a task of its own: through the layer's spawner if it has
@@ -129,7 +130,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
         span: Span,
         engine: Arc<Engine>,
         record: Arc<RecordKey>,
-        grpc: bool,
+        wire: Wire,
     ) -> Self {
         let guarded = Guarded {
             work: Some(work),
@@ -137,7 +138,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
             span,
             engine,
             record,
-            grpc,
+            wire,
         };
         Self {
             inner: Kind::Guarded { guarded },

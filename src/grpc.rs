@@ -20,6 +20,26 @@ pub(crate) enum Code {
     Unavailable = 14,
 }
 
+/// What an exchange speaks, told once from the request's headers where it enters the layer (or
+/// the client) and carried with it: the layer answers a gRPC caller with a status in trailers,
+/// an HTTP one with a problem document, and the client reads a gRPC answer's status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wire {
+    Http,
+    Grpc,
+}
+
+impl Wire {
+    /// What a request with these headers speaks.
+    pub(crate) fn of(headers: &HeaderMap) -> Self {
+        if is_grpc(headers) {
+            Self::Grpc
+        } else {
+            Self::Http
+        }
+    }
+}
+
 /// Whether a message with these headers is gRPC.
 pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers

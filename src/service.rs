@@ -15,7 +15,7 @@ use crate::{
     IdempotencyKey,
     body::{RequestBody, ResponseBody},
     future::ResponseFuture,
-    grpc,
+    grpc::Wire,
     problem::Rejection,
     protocol::{self, Engine},
     store::{BoxError, RecordKey},
@@ -84,13 +84,13 @@ where
         if !settings.methods.contains(request.method()) {
             return self.pass_through(request);
         }
-        let grpc = grpc::is_grpc(request.headers());
+        let wire = Wire::of(request.headers());
         let key = match IdempotencyKey::from_headers(request.headers(), &settings.key_header) {
             Ok(Some(key)) => key,
             Ok(None) if !settings.key_required => return self.pass_through(request),
-            Ok(None) => return self.reject(Rejection::MissingKey, None, grpc, request_span()),
+            Ok(None) => return self.reject(Rejection::MissingKey, None, wire, request_span()),
             Err(error) => {
-                return self.reject(Rejection::InvalidKey(error), None, grpc, request_span());
+                return self.reject(Rejection::InvalidKey(error), None, wire, request_span());
             }
         };
         // A span per guarded request, the caller's span its parent: the layer's events and the
@@ -105,7 +105,7 @@ where
                      requests installed outside the idempotency layer?"
                 )
             });
-            return self.reject(Rejection::NoScope, Some(&key), grpc, span);
+            return self.reject(Rejection::NoScope, Some(&key), wire, span);
         };
         span.record("scope", tracing::field::display(settings.shown(&scope)));
         // The service that was driven to readiness is the one that must be called, and it moves
@@ -122,9 +122,10 @@ where
             Arc::clone(&record),
             Request::from_parts(parts, body),
             reply,
+            wire,
         ));
         let engine = Arc::clone(&self.engine);
-        ResponseFuture::guarded(work, receiver, span, engine, record, grpc)
+        ResponseFuture::guarded(work, receiver, span, engine, record, wire)
     }
 }
 
@@ -155,10 +156,10 @@ impl<S> Idempotency<S> {
         &self,
         rejection: Rejection,
         key: Option<&IdempotencyKey>,
-        grpc: bool,
+        wire: Wire,
         span: tracing::Span,
     ) -> ResponseFuture<F, B, E> {
-        let response = span.in_scope(|| self.engine.respond(rejection, key, grpc));
+        let response = span.in_scope(|| self.engine.respond(rejection, key, wire));
         ResponseFuture::ready(response)
     }
 }

@@ -23,7 +23,7 @@ use super::{
     layer::ClientSettings,
     verdict::{self, Verdict},
 };
-use crate::{headers::IDEMPOTENT_REPLAYED, store::BoxError};
+use crate::{grpc::Wire, headers::IDEMPOTENT_REPLAYED, store::BoxError};
 
 /// Middleware that sends one idempotency key per logical call on every attempt, and retries
 /// what is safe to retry. Built by [`IdempotencyClientLayer`](super::IdempotencyClientLayer).
@@ -179,7 +179,7 @@ struct Retrying<'a> {
     parts: Option<Parts>,
     head: (http::Method, http::Uri, http::Version, http::HeaderMap),
     body: Bytes,
-    grpc: bool,
+    wire: Wire,
     deadline: Instant,
     random: u64,
     /// When the logical call started, for the key's protection.
@@ -198,7 +198,7 @@ impl<'a> Retrying<'a> {
         );
         Self {
             settings,
-            grpc: crate::grpc::is_grpc(&parts.headers),
+            wire: Wire::of(&parts.headers),
             parts: Some(parts),
             head,
             body,
@@ -267,11 +267,11 @@ impl<'a> Retrying<'a> {
         let request = self.request();
         let left = self.deadline.saturating_duration_since(Instant::now());
         let limit = self.settings.attempt_timeout.min(left);
-        let (grpc, max_body) = (self.grpc, self.settings.max_body);
+        let (wire, max_body) = (self.wire, self.settings.max_body);
         let sent = async {
             let ready = inner.ready().await.map_err(Into::into)?;
             let response = ready.call(request).await.map_err(Into::into)?;
-            if !grpc || response.headers().contains_key("grpc-status") {
+            if wire != Wire::Grpc || response.headers().contains_key("grpc-status") {
                 return Ok(response.map(ClientResponseBody::live));
             }
             let (parts, body) = response.into_parts();
@@ -316,7 +316,7 @@ impl<'a> Retrying<'a> {
                 let (status, headers) = (response.status(), response.headers());
                 self.settings.learned.learn(&self.head.1, headers);
                 let trailers = response.body().trailers();
-                match verdict::of_response(status, headers, trailers, self.grpc) {
+                match verdict::of_response(status, headers, trailers, self.wire) {
                     Verdict::Final => return None,
                     Verdict::Retry { after } => after,
                 }

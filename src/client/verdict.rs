@@ -8,7 +8,7 @@ use http::{
     header::{DATE, RETRY_AFTER},
 };
 
-use crate::headers::IDEMPOTENT_REPLAYED;
+use crate::{grpc::Wire, headers::IDEMPOTENT_REPLAYED};
 
 /// What to do with an attempt's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,7 +30,7 @@ pub(crate) fn of_response(
     status: StatusCode,
     headers: &HeaderMap,
     trailers: Option<&HeaderMap>,
-    grpc: bool,
+    wire: Wire,
 ) -> Verdict {
     if headers.contains_key(IDEMPOTENT_REPLAYED) {
         return Verdict::Final;
@@ -39,7 +39,9 @@ pub(crate) fn of_response(
         .into_iter()
         .flatten()
         .find(|map| map.contains_key("grpc-status"));
-    if grpc && let Some(said) = said {
+    if wire == Wire::Grpc
+        && let Some(said) = said
+    {
         let code = &said["grpc-status"];
         let pushback = said
             .get("grpc-retry-pushback-ms")
@@ -110,7 +112,7 @@ mod tests {
             StatusCode::from_u16(status).unwrap(),
             &headers(pairs),
             None,
-            false,
+            Wire::Http,
         )
     }
 
@@ -167,7 +169,7 @@ mod tests {
         let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(60));
         let mut headers = HeaderMap::new();
         headers.insert(RETRY_AFTER, HeaderValue::from_str(&later).unwrap());
-        let verdict = of_response(StatusCode::TOO_MANY_REQUESTS, &headers, None, false);
+        let verdict = of_response(StatusCode::TOO_MANY_REQUESTS, &headers, None, Wire::Http);
         let Verdict::Retry { after: Some(after) } = verdict else {
             panic!("{verdict:?}");
         };
@@ -176,7 +178,7 @@ mod tests {
 
     #[test]
     fn grpc_statuses_in_trailers_only_answers() {
-        let grpc = |pairs| of_response(StatusCode::OK, &headers(pairs), None, true);
+        let grpc = |pairs| of_response(StatusCode::OK, &headers(pairs), None, Wire::Grpc);
         assert_eq!(grpc(&[("grpc-status", "0")]), Verdict::Final);
         assert_eq!(grpc(&[("grpc-status", "9")]), Verdict::Final);
         assert_eq!(grpc(&[("grpc-status", "10")]), Verdict::Final);
@@ -191,7 +193,12 @@ mod tests {
         assert_eq!(grpc(&[]), Verdict::Final);
         let in_trailers = |pairs| {
             let trailers = headers(pairs);
-            of_response(StatusCode::OK, &HeaderMap::new(), Some(&trailers), true)
+            of_response(
+                StatusCode::OK,
+                &HeaderMap::new(),
+                Some(&trailers),
+                Wire::Grpc,
+            )
         };
         let unavailable = Verdict::Retry { after: None };
         assert_eq!(in_trailers(&[("grpc-status", "14")]), unavailable);
@@ -201,7 +208,7 @@ mod tests {
         // A replay is final, whatever its trailers say.
         let replayed = headers(&[("idempotent-replayed", "true")]);
         let trailers = headers(&[("grpc-status", "14")]);
-        let verdict = of_response(StatusCode::OK, &replayed, Some(&trailers), true);
+        let verdict = of_response(StatusCode::OK, &replayed, Some(&trailers), Wire::Grpc);
         assert_eq!(verdict, Verdict::Final);
     }
 

@@ -8,12 +8,13 @@ use http::{HeaderMap, Response};
 use tokio::time::Instant;
 
 use super::{Caller, Engine, wait::Backoff};
-use crate::settings::RecoveryFn;
 use crate::{
     answers::vary_mismatch,
     body::ResponseBody,
+    grpc::Wire,
     headers,
     problem::Rejection,
+    settings::RecoveryFn,
     store::{ClaimOutcome, ClaimRequest, RecordKey, StoreError},
     telemetry::Operation,
 };
@@ -49,7 +50,7 @@ pub(super) async fn claim_or_answer<B, E>(
     claim: &ClaimRequest,
     request_headers: &HeaderMap,
     wait: Duration,
-    grpc: bool,
+    wire: Wire,
     reply: &mut Caller<B, E>,
 ) -> Answered<B> {
     let claimed = claim_once(engine, claim).await;
@@ -57,10 +58,10 @@ pub(super) async fn claim_or_answer<B, E>(
         // Waiting is rare, and its state large: boxed apart.
         Ok(ClaimOutcome::InFlight { .. }) => {
             let waiting =
-                wait_for_the_first(engine, claim, request_headers, wait, grpc, reply, claimed);
+                wait_for_the_first(engine, claim, request_headers, wait, wire, reply, claimed);
             Box::pin(waiting).await
         }
-        _ => answer(engine, claim.record(), request_headers, claimed, grpc),
+        _ => answer(engine, claim.record(), request_headers, claimed, wire),
     }
 }
 
@@ -160,7 +161,7 @@ async fn wait_for_the_first<B, E>(
     claim: &ClaimRequest,
     request_headers: &HeaderMap,
     wait: Duration,
-    grpc: bool,
+    wire: Wire,
     reply: &mut Caller<B, E>,
     claimed: Claimed,
 ) -> Answered<B> {
@@ -170,9 +171,9 @@ async fn wait_for_the_first<B, E>(
     if let Ok(ClaimOutcome::InFlight { retry_after }) = claimed.outcome {
         let rejection = Rejection::InFlight { retry_after };
         let key = Some(claim.record().key());
-        return ControlFlow::Break(Some(engine.respond(rejection, key, grpc)));
+        return ControlFlow::Break(Some(engine.respond(rejection, key, wire)));
     }
-    answer(engine, claim.record(), request_headers, claimed, grpc)
+    answer(engine, claim.record(), request_headers, claimed, wire)
 }
 
 /// Claims again while another attempt holds the key, up to `wait`: the first outcome that is
@@ -226,7 +227,7 @@ fn answer<B>(
     record: &RecordKey,
     request_headers: &HeaderMap,
     claimed: Claimed,
-    grpc: bool,
+    wire: Wire,
 ) -> Answered<B> {
     let sent = claimed.sent;
     let rejection = match claimed.outcome {
@@ -266,7 +267,7 @@ fn answer<B>(
             status,
             completed_ago,
         }) => {
-            let answer = answer_expired(engine, record, (status, completed_ago), grpc);
+            let answer = answer_expired(engine, record, (status, completed_ago), wire);
             return ControlFlow::Break(Some(answer));
         }
         Err(error) => {
@@ -277,7 +278,7 @@ fn answer<B>(
             Rejection::StoreUnavailable
         }
     };
-    ControlFlow::Break(Some(engine.respond(rejection, Some(record.key()), grpc)))
+    ControlFlow::Break(Some(engine.respond(rejection, Some(record.key()), wire)))
 }
 
 /// The refusal of a key whose answer expired, with how long its tombstone still protects it
@@ -286,13 +287,13 @@ fn answer_expired<B>(
     engine: &Engine,
     record: &RecordKey,
     (status, completed_ago): (http::StatusCode, Duration),
-    grpc: bool,
+    wire: Wire,
 ) -> Response<ResponseBody<B>> {
     let rejection = Rejection::AnswerExpired {
         status,
         completed_ago,
     };
-    let mut answer = engine.respond(rejection, Some(record.key()), grpc);
+    let mut answer = engine.respond(rejection, Some(record.key()), wire);
     if let Some(lasts) = engine.settings.protection() {
         headers::protected_for(answer.headers_mut(), lasts.saturating_sub(completed_ago));
     }

@@ -19,6 +19,7 @@ use super::{Caller, Engine, Outcome, Reply};
 use crate::{
     IdempotencyKey, IdempotencyOutcome,
     body::{LiveFrame, RequestBody, ResponseBody, concat},
+    grpc::Wire,
     headers::varied_request_headers,
     policy::Completion,
     policy::ResponseSummary,
@@ -47,7 +48,7 @@ pub(super) async fn handle<S, ReqBody, ResBody>(
     request_headers: &HeaderMap,
     reply: Caller<ResBody, S::Error>,
     key: &IdempotencyKey,
-    grpc: bool,
+    wire: Wire,
 ) -> Handled<ResBody, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
@@ -62,15 +63,15 @@ where
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
             tracing::warn!("handler returned a service error; releasing the key");
-            return failed(engine, key, grpc, reply, Some(error));
+            return failed(engine, key, wire, reply, Some(error));
         }
         Err(_panic) => {
             tracing::error!("handler panicked; releasing the key");
-            return failed(engine, key, grpc, reply, None);
+            return failed(engine, key, wire, reply, None);
         }
     };
     let (parts, body) = response.into_parts();
-    if parts.status == StatusCode::REQUEST_TIMEOUT && !grpc {
+    if parts.status == StatusCode::REQUEST_TIMEOUT && wire != Wire::Grpc {
         warn_inner_timeout(engine);
     }
     let hint = body.size_hint();
@@ -84,7 +85,7 @@ where
             }
         }
         // Nothing reached the caller yet: it gets a clean 500 instead of a torn body.
-        Read::Failed => failed(engine, key, grpc, reply, None),
+        Read::Failed => failed(engine, key, wire, reply, None),
         // Over the cache limit: rare, and a large state of its own, so boxed apart.
         Read::PastLimit(past) => {
             Box::pin(stream_past_limit(engine, parts, hint, body, past, reply)).await
@@ -328,12 +329,12 @@ where
 fn failed<B, E>(
     engine: &Engine,
     key: &IdempotencyKey,
-    grpc: bool,
+    wire: Wire,
     reply: Caller<B, E>,
     error: Option<E>,
 ) -> Handled<B, E> {
     let answers = &engine.settings.answers;
-    let rendered = answers.render(Rejection::HandlerFailed, Some(key), grpc);
+    let rendered = answers.render(Rejection::HandlerFailed, Some(key), wire);
     let (parts, body) = rendered.into_parts();
     let stored = StoredResponse::new(
         parts.status,

@@ -42,7 +42,9 @@ use self::{
 use crate::{
     IdempotencyClaim, IdempotencyKey, IdempotencyOutcome,
     body::{RequestBody, ResponseBody},
-    grpc, headers,
+    grpc,
+    grpc::Wire,
+    headers,
     policy::Completion,
     problem::Rejection,
     response::StoredResponse,
@@ -107,11 +109,11 @@ impl Engine {
         &self,
         rejection: Rejection,
         key: Option<&IdempotencyKey>,
-        grpc: bool,
+        wire: Wire,
     ) -> Response<ResponseBody<B>> {
         self.settings
             .answers
-            .respond(&self.telemetry, rejection, key, grpc)
+            .respond(&self.telemetry, rejection, key, wire)
     }
 
     /// The store renewals go through (see [`Store::detached`]).
@@ -145,6 +147,7 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     record: Arc<RecordKey>,
     request: Request<ReqBody>,
     reply: Caller<ResBody, S::Error>,
+    wire: Wire,
 ) where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     ReqBody: Body,
@@ -152,9 +155,8 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     ResBody: Body,
     ResBody::Error: Into<BoxError>,
 {
-    let grpc = grpc::is_grpc(request.headers());
     let (parts, body) = request.into_parts();
-    let admitted = admit(&engine, record, &parts, body, grpc, reply).await;
+    let admitted = admit(&engine, record, &parts, body, wire, reply).await;
     let Some(Admitted {
         claim,
         lease,
@@ -165,12 +167,12 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     else {
         return;
     };
-    let (handled, headers) = execute(&engine, inner, parts, body, &lease, reply, grpc).await;
+    let (handled, headers) = execute(&engine, inner, parts, body, &lease, reply, wire).await;
     let attempt = Attempt {
         claim: &claim,
         lease: &lease,
         headers: &headers,
-        grpc,
+        wire,
     };
     settle(&engine, attempt, handled, keeper).await;
 }
@@ -181,7 +183,7 @@ struct Attempt<'a> {
     lease: &'a Lease,
     /// The request's headers (a replay must agree with them on `Vary`).
     headers: &'a HeaderMap,
-    grpc: bool,
+    wire: Wire,
 }
 
 /// A request admitted to run its handler.
@@ -202,7 +204,7 @@ async fn admit<B, ResBody, E>(
     record: Arc<RecordKey>,
     parts: &Parts,
     body: B,
-    grpc: bool,
+    wire: Wire,
     mut reply: Caller<ResBody, E>,
 ) -> Option<Admitted<ResBody, E>>
 where
@@ -212,7 +214,7 @@ where
     let (body, fingerprint) = match read::read_body(&engine.settings, parts, body).await {
         Ok(read) => read,
         Err(rejection) => {
-            let answer = engine.respond(rejection, Some(record.key()), grpc);
+            let answer = engine.respond(rejection, Some(record.key()), wire);
             let _ = reply.send(Ok(answer));
             return None;
         }
@@ -227,7 +229,7 @@ where
     let wait = Wait::of(&engine.settings, headers);
     let answer = loop {
         let claimed =
-            admit::claim_or_answer(engine, &claim, headers, wait.budget, grpc, &mut reply).await;
+            admit::claim_or_answer(engine, &claim, headers, wait.budget, wire, &mut reply).await;
         let grant = match claimed {
             ControlFlow::Continue(grant) => grant,
             ControlFlow::Break(answer) => break answer,
@@ -247,7 +249,7 @@ where
             Kept::Again => {}
             Kept::Refused => {
                 let key = Some(claim.record().key());
-                break Some(engine.respond(Rejection::StoreUnavailable, key, grpc));
+                break Some(engine.respond(Rejection::StoreUnavailable, key, wire));
             }
         }
     };
@@ -325,7 +327,7 @@ async fn execute<S, ReqBody, ResBody>(
     body: Bytes,
     lease: &Lease,
     reply: Caller<ResBody, S::Error>,
-    grpc: bool,
+    wire: Wire,
 ) -> (Handled<ResBody, S::Error>, Arc<HeaderMap>)
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
@@ -344,7 +346,7 @@ where
     ));
     let started = Instant::now();
     let key = lease.record().key();
-    let handled = execute::handle(engine, inner, request, &request_headers, reply, key, grpc).await;
+    let handled = execute::handle(engine, inner, request, &request_headers, reply, key, wire).await;
     let took = started.elapsed();
     engine.state.durations.record(took);
     engine.telemetry.handler_took(took);
@@ -409,13 +411,13 @@ async fn answer_superseded<B, E>(engine: &Engine, attempt: &Attempt<'_>, mut rep
         settings.lease,
     );
     let wait = Wait::of(settings, attempt.headers);
-    let grpc = attempt.grpc;
+    let wire = attempt.wire;
     let claimed = admit::claim_or_answer(
         engine,
         &again,
         attempt.headers,
         wait.budget,
-        grpc,
+        wire,
         &mut reply,
     );
     let answer = match claimed.await {
@@ -434,7 +436,7 @@ async fn answer_superseded<B, E>(engine: &Engine, attempt: &Attempt<'_>, mut rep
             let rejection = Rejection::InFlight {
                 retry_after: Duration::from_secs(1),
             };
-            engine.respond(rejection, Some(record.key()), grpc)
+            engine.respond(rejection, Some(record.key()), wire)
         }
     };
     let _ = reply.send(Ok(answer));
