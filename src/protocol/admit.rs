@@ -15,7 +15,7 @@ use crate::{
     headers,
     problem::Rejection,
     settings::RecoveryFn,
-    store::{ClaimOutcome, ClaimRequest, RecordKey, StoreError},
+    store::{ClaimOutcome, ClaimRequest, StoreError},
     telemetry::Operation,
 };
 
@@ -46,22 +46,35 @@ pub(super) struct Claimed {
 /// another instance is noticed by polling the store, after 10 ms, then twice as long each time
 /// up to 200 ms.
 pub(super) async fn claim_or_answer<B, E>(
-    engine: &Engine,
-    claim: &ClaimRequest,
-    request_headers: &HeaderMap,
-    wait: Duration,
-    wire: Wire,
+    claiming: &Claiming<'_>,
     reply: &mut Caller<B, E>,
 ) -> Answered<B> {
-    let claimed = claim_once(engine, claim).await;
+    let claimed = claim_once(claiming.engine, claiming.claim).await;
     match claimed.outcome {
         // Waiting is rare, and its state large: boxed apart.
         Ok(ClaimOutcome::InFlight { .. }) => {
-            let waiting =
-                wait_for_the_first(engine, claim, request_headers, wait, wire, reply, claimed);
-            Box::pin(waiting).await
+            Box::pin(wait_for_the_first(claiming, reply, claimed)).await
         }
-        _ => answer(engine, claim.record(), request_headers, claimed, wire),
+        _ => answer(claiming, claimed),
+    }
+}
+
+/// A request's claim and what its answers depend on, passed whole through the claim.
+pub(super) struct Claiming<'a> {
+    pub(super) engine: &'a Engine,
+    pub(super) claim: &'a ClaimRequest,
+    /// The request's headers (a replay must agree with them on `Vary`).
+    pub(super) headers: &'a HeaderMap,
+    /// How long to wait for a duplicate in flight.
+    pub(super) wait: Duration,
+    pub(super) wire: Wire,
+}
+
+impl Claiming<'_> {
+    /// The layer's own answer to this request, instead of running the handler.
+    pub(super) fn refuse<B>(&self, rejection: Rejection) -> Response<ResponseBody<B>> {
+        let key = Some(self.claim.record().key());
+        self.engine.respond(rejection, key, self.wire)
     }
 }
 
@@ -157,23 +170,20 @@ async fn recovered(
 
 /// The wait of [`claim_or_answer`] for a key found in flight.
 async fn wait_for_the_first<B, E>(
-    engine: &Engine,
-    claim: &ClaimRequest,
-    request_headers: &HeaderMap,
-    wait: Duration,
-    wire: Wire,
+    claiming: &Claiming<'_>,
     reply: &mut Caller<B, E>,
     claimed: Claimed,
 ) -> Answered<B> {
-    let Some(claimed) = while_in_flight(engine, claim, claimed, wait, reply.closed()).await else {
+    let Claiming { engine, claim, .. } = *claiming;
+    let waited = while_in_flight(engine, claim, claimed, claiming.wait, reply.closed()).await;
+    let Some(claimed) = waited else {
         return ControlFlow::Break(None);
     };
     if let Ok(ClaimOutcome::InFlight { retry_after }) = claimed.outcome {
         let rejection = Rejection::InFlight { retry_after };
-        let key = Some(claim.record().key());
-        return ControlFlow::Break(Some(engine.respond(rejection, key, wire)));
+        return ControlFlow::Break(Some(claiming.refuse(rejection)));
     }
-    answer(engine, claim.record(), request_headers, claimed, wire)
+    answer(claiming, claimed)
 }
 
 /// Claims again while another attempt holds the key, up to `wait`: the first outcome that is
@@ -222,13 +232,8 @@ pub(super) async fn while_in_flight(
 }
 
 /// The fence of an acquired claim, or the answer that replaces running the handler.
-fn answer<B>(
-    engine: &Engine,
-    record: &RecordKey,
-    request_headers: &HeaderMap,
-    claimed: Claimed,
-    wire: Wire,
-) -> Answered<B> {
+fn answer<B>(claiming: &Claiming<'_>, claimed: Claimed) -> Answered<B> {
+    let engine = claiming.engine;
     let sent = claimed.sent;
     let rejection = match claimed.outcome {
         Ok(ClaimOutcome::Acquired { fence }) => {
@@ -238,7 +243,7 @@ fn answer<B>(
             response,
             expires_in,
         }) if response.body().is_some() => {
-            match vary_mismatch(&response, request_headers) {
+            match vary_mismatch(&response, claiming.headers) {
                 None => {
                     let settings = &engine.settings;
                     // The key outlives its answer by what the tombstones add to the retention.
@@ -267,7 +272,7 @@ fn answer<B>(
             status,
             completed_ago,
         }) => {
-            let answer = answer_expired(engine, record, (status, completed_ago), wire);
+            let answer = answer_expired(claiming, (status, completed_ago));
             return ControlFlow::Break(Some(answer));
         }
         Err(error) => {
@@ -278,23 +283,21 @@ fn answer<B>(
             Rejection::StoreUnavailable
         }
     };
-    ControlFlow::Break(Some(engine.respond(rejection, Some(record.key()), wire)))
+    ControlFlow::Break(Some(claiming.refuse(rejection)))
 }
 
 /// The refusal of a key whose answer expired, with how long its tombstone still protects it
 /// when the layer says so.
 fn answer_expired<B>(
-    engine: &Engine,
-    record: &RecordKey,
+    claiming: &Claiming<'_>,
     (status, completed_ago): (http::StatusCode, Duration),
-    wire: Wire,
 ) -> Response<ResponseBody<B>> {
     let rejection = Rejection::AnswerExpired {
         status,
         completed_ago,
     };
-    let mut answer = engine.respond(rejection, Some(record.key()), wire);
-    if let Some(lasts) = engine.settings.protection() {
+    let mut answer = claiming.refuse(rejection);
+    if let Some(lasts) = claiming.engine.settings.protection() {
         headers::protected_for(answer.headers_mut(), lasts.saturating_sub(completed_ago));
     }
     answer

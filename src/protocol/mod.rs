@@ -34,9 +34,9 @@ pub(crate) use self::units::{Delivered, deliver};
 #[cfg(feature = "postgres")]
 pub(crate) use self::units::{deliver_batch_in_transaction, deliver_in_transaction};
 use self::{
-    admit::Grant,
+    admit::{Claiming, Grant},
     execute::Handled,
-    settle::{Finalized, Keeper, Leases, Standing},
+    settle::{Finalized, Finalizing, Keeper, Leases, Standing},
     wait::{Durations, Waiters},
 };
 use crate::{
@@ -219,45 +219,67 @@ where
             return None;
         }
     };
-    let mut claim = ClaimRequest::shared(
+    let claim = ClaimRequest::shared(
         record,
         fingerprint,
         engine.owner_token(),
         engine.settings.lease,
     );
-    let (headers, mut lapses) = (&parts.headers, 0);
-    let wait = Wait::of(&engine.settings, headers);
-    let answer = loop {
-        let claimed =
-            admit::claim_or_answer(engine, &claim, headers, wait.budget, wire, &mut reply).await;
-        let grant = match claimed {
+    let wait = Wait::of(&engine.settings, &parts.headers);
+    let claiming = (&parts.headers, wait.budget, wire);
+    match claim_and_hold(engine, claim, claiming, &mut reply).await {
+        Ok((claim, lease, keeper)) => {
+            tracing::Span::current().record("fence", lease.fence());
+            tracing::debug!(owner = %lease.owner(), "claimed; running handler");
+            Some(Admitted {
+                claim,
+                lease,
+                keeper,
+                body,
+                reply,
+            })
+        }
+        Err(answer) => {
+            if let Some(mut answer) = answer {
+                wait.applied(&mut answer);
+                let _ = reply.send(Ok(answer));
+            }
+            None
+        }
+    }
+}
+
+/// Claims the key until this process holds a grant: the claim (its owner renewed when a grant
+/// came too late to act on) with its lease and keeper, or the answer that replaces running the
+/// handler (`None`: the caller left). `(headers, wait, wire)`: see [`Claiming`].
+async fn claim_and_hold<B, E>(
+    engine: &Arc<Engine>,
+    mut claim: ClaimRequest,
+    (headers, wait, wire): (&HeaderMap, Duration, Wire),
+    reply: &mut Caller<B, E>,
+) -> Result<(ClaimRequest, Lease, Keeper), Option<Response<ResponseBody<B>>>> {
+    let mut lapses = 0;
+    loop {
+        let claiming = Claiming {
+            engine,
+            claim: &claim,
+            headers,
+            wait,
+            wire,
+        };
+        let grant = match admit::claim_or_answer(&claiming, reply).await {
             ControlFlow::Continue(grant) => grant,
-            ControlFlow::Break(answer) => break answer,
+            ControlFlow::Break(answer) => return Err(answer),
         };
         match hold_grant(engine, &mut claim, grant, &mut lapses).await {
-            Kept::Held(lease, keeper) => {
-                tracing::Span::current().record("fence", lease.fence());
-                tracing::debug!(owner = %lease.owner(), "claimed; running handler");
-                return Some(Admitted {
-                    claim,
-                    lease,
-                    keeper,
-                    body,
-                    reply,
-                });
-            }
+            Kept::Held(lease, keeper) => return Ok((claim, lease, keeper)),
             Kept::Again => {}
             Kept::Refused => {
                 let key = Some(claim.record().key());
-                break Some(engine.respond(Rejection::StoreUnavailable, key, wire));
+                return Err(Some(engine.respond(Rejection::StoreUnavailable, key, wire)));
             }
         }
-    };
-    if let Some(mut answer) = answer {
-        wait.applied(&mut answer);
-        let _ = reply.send(Ok(answer));
     }
-    None
 }
 
 /// How many grants in a row may come too late to act on before the work is refused.
@@ -366,7 +388,13 @@ async fn settle<B, E>(
         completion,
     } = handled.outcome;
     let lease = attempt.lease;
-    let mut finalized = settle::finalize(engine, lease, &response, completion, &keeper).await;
+    let finalizing = Finalizing {
+        lease,
+        response: &response,
+        completion,
+        keeper: &keeper,
+    };
+    let mut finalized = settle::finalize(engine, finalizing).await;
     // Answered only now, so that a caller who has its answer finds the key final: a retry sent
     // the moment it arrives is replayed (or runs again, if released), never refused as in
     // flight. If the store keeps failing, the caller is answered anyway and the write goes on
@@ -389,7 +417,7 @@ async fn settle<B, E>(
         let _ = reply.send(answer);
     }
     if let Finalized::Failing = finalized {
-        let later = settle::finalize_later(engine, lease, &response, completion, &keeper);
+        let later = settle::finalize_later(engine, finalizing);
         finalized = Box::pin(later).await;
     }
     drop(keeper);
@@ -411,16 +439,14 @@ async fn answer_superseded<B, E>(engine: &Engine, attempt: &Attempt<'_>, mut rep
         settings.lease,
     );
     let wait = Wait::of(settings, attempt.headers);
-    let wire = attempt.wire;
-    let claimed = admit::claim_or_answer(
+    let claiming = Claiming {
         engine,
-        &again,
-        attempt.headers,
-        wait.budget,
-        wire,
-        &mut reply,
-    );
-    let answer = match claimed.await {
+        claim: &again,
+        headers: attempt.headers,
+        wait: wait.budget,
+        wire: attempt.wire,
+    };
+    let answer = match admit::claim_or_answer(&claiming, &mut reply).await {
         ControlFlow::Break(Some(mut answer)) => {
             wait.applied(&mut answer);
             answer
@@ -436,7 +462,7 @@ async fn answer_superseded<B, E>(engine: &Engine, attempt: &Attempt<'_>, mut rep
             let rejection = Rejection::InFlight {
                 retry_after: Duration::from_secs(1),
             };
-            engine.respond(rejection, Some(record.key()), wire)
+            claiming.refuse(rejection)
         }
     };
     let _ = reply.send(Ok(answer));

@@ -446,19 +446,24 @@ pub(crate) enum Finalized {
     Failing,
 }
 
+/// What a finalize writes, and under which lease: passed whole through its attempts.
+#[derive(Clone, Copy)]
+pub(crate) struct Finalizing<'a> {
+    pub(crate) lease: &'a Lease,
+    pub(crate) response: &'a StoredResponse,
+    pub(crate) completion: Completion,
+    /// Holds the key (its lease renewed) while the finalize goes on.
+    pub(crate) keeper: &'a Keeper,
+}
+
 /// Completes or releases the key, owner-checked; a committed key is completed whatever the
 /// policy. A few quick attempts; a store that still fails leaves it to [`finalize_later`].
-pub(crate) async fn finalize(
-    engine: &Engine,
-    lease: &Lease,
-    response: &StoredResponse,
-    completion: Completion,
-    keeper: &Keeper,
-) -> Finalized {
+pub(crate) async fn finalize(engine: &Engine, finalizing: Finalizing<'_>) -> Finalized {
+    let keeper = finalizing.keeper;
     keeper.finalizing();
     let mut delay = Duration::from_millis(50);
     for attempt in 1..=QUICK_ATTEMPTS {
-        match finalize_once(engine, lease, response, completion, keeper).await {
+        match finalize_once(engine, finalizing).await {
             Ok(finalized) => return finalized,
             Err(error) => {
                 tracing::warn!(
@@ -482,20 +487,15 @@ const QUICK_ATTEMPTS: u32 = 3;
 /// Keeps retrying a finalize that failed, with the key held by `keeper`, until it succeeds, the
 /// lease is lost, or the layer's finalize deadline passes. The key is never freed for a second
 /// execution while the write is retried: retries of it wait or get 409.
-pub(crate) async fn finalize_later(
-    engine: &Engine,
-    lease: &Lease,
-    response: &StoredResponse,
-    completion: Completion,
-    keeper: &Keeper,
-) -> Finalized {
+pub(crate) async fn finalize_later(engine: &Engine, finalizing: Finalizing<'_>) -> Finalized {
+    let keeper = finalizing.keeper;
     engine.telemetry.finalize_failing();
     let deadline = Instant::now() + engine.settings.finalize_deadline;
     let mut delay = Duration::from_millis(250);
     while Instant::now() < deadline && !keeper.lost() {
         tokio::time::sleep(delay.min(deadline - Instant::now())).await;
         delay = (delay * 2).min(Duration::from_secs(5));
-        match finalize_once(engine, lease, response, completion, keeper).await {
+        match finalize_once(engine, finalizing).await {
             Ok(finalized) => {
                 tracing::info!("finalized after store failures");
                 return finalized;
@@ -515,11 +515,14 @@ pub(crate) async fn finalize_later(
 /// One attempt: `Err` only for a store failure worth retrying.
 async fn finalize_once(
     engine: &Engine,
-    lease: &Lease,
-    response: &StoredResponse,
-    completion: Completion,
-    keeper: &Keeper,
+    finalizing: Finalizing<'_>,
 ) -> Result<Finalized, StoreError> {
+    let Finalizing {
+        lease,
+        response,
+        completion,
+        keeper,
+    } = finalizing;
     let (settings, telemetry) = (&engine.settings, &engine.telemetry);
     let store = &settings.store;
     let complete = || {

@@ -11,7 +11,7 @@ use super::{
     Engine, Kept,
     admit::{Grant, claim_once, while_in_flight},
     hold_grant,
-    settle::{self, Finalized, Keeper},
+    settle::{self, Finalized, Finalizing, Keeper},
 };
 use crate::{
     IdempotencyClaim,
@@ -176,9 +176,15 @@ async fn settle(
     completion: Completion,
     keeper: Keeper,
 ) -> Finalized {
-    let mut finalized = settle::finalize(engine, lease, stored, completion, &keeper).await;
+    let finalizing = Finalizing {
+        lease,
+        response: stored,
+        completion,
+        keeper: &keeper,
+    };
+    let mut finalized = settle::finalize(engine, finalizing).await;
     if let Finalized::Failing = finalized {
-        let later = settle::finalize_later(engine, lease, stored, completion, &keeper);
+        let later = settle::finalize_later(engine, finalizing);
         finalized = Box::pin(later).await;
     }
     drop(keeper);
