@@ -12,7 +12,7 @@ use crate::{
     problem::Problem,
     protocol::{Engine, State},
     settings::{self, Settings},
-    store::{BoxFuture, RecordKey, Store},
+    store::{RecordKey, Store},
     telemetry::{Counters, Family, Telemetry},
 };
 
@@ -41,7 +41,6 @@ pub struct IdempotencyLayer {
     state: Arc<State>,
 }
 
-/// # Construction
 /// # Defaults: what each setting is until it is set
 impl IdempotencyLayer {
     /// The lease: how long a claim survives its instance without renewal
@@ -70,6 +69,7 @@ impl IdempotencyLayer {
     pub const DEFAULT_FINALIZE_DEADLINE: Duration = settings::DEFAULT_FINALIZE_DEADLINE;
 }
 
+/// # Construction
 impl IdempotencyLayer {
     /// A layer on `store`, with the defaults: guards POST and PATCH; reads the key from
     /// `Idempotency-Key`; a missing key passes through; keys are scoped by the caller's
@@ -415,9 +415,14 @@ impl IdempotencyLayer {
     ///
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_spawner(tokio::spawn);
     /// ```
+    #[cfg(feature = "simulation")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "simulation")))]
     pub fn with_spawner(
         mut self,
-        spawn: impl Fn(BoxFuture<'static, ()>) -> tokio::task::JoinHandle<()> + Send + Sync + 'static,
+        spawn: impl Fn(crate::store::BoxFuture<'static, ()>) -> tokio::task::JoinHandle<()>
+        + Send
+        + Sync
+        + 'static,
     ) -> Self {
         self.settings.spawner = Some(Arc::new(spawn));
         self.state = Arc::default();
@@ -429,6 +434,8 @@ impl IdempotencyLayer {
     /// jitter of its duplicates' polls. For a test or a simulation that must replay exactly
     /// from a seed. Owner tokens must be unique across every process sharing a store: give
     /// each instance a seed of its own, and never set one in production.
+    #[cfg(feature = "simulation")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "simulation")))]
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.settings.seed = Some(seed);
         self

@@ -64,7 +64,7 @@ use crate::{
     fingerprint::Fingerprint,
     protocol::{Delivered, Engine, State, deliver},
     settings::Settings,
-    store::{BoxFuture, RecordKey, Store, StoreError},
+    store::{RecordKey, Store, StoreError},
     telemetry::{Counters, Family, Telemetry},
 };
 
@@ -216,9 +216,14 @@ impl Once {
     /// Runs the renewals of units' leases through `spawn`, as
     /// [`IdempotencyLayer::with_spawner`](crate::IdempotencyLayer::with_spawner) does for
     /// requests: for a runtime whose clock you control (paused time, a simulation).
+    #[cfg(feature = "simulation")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "simulation")))]
     pub fn with_spawner(
         self,
-        spawn: impl Fn(BoxFuture<'static, ()>) -> tokio::task::JoinHandle<()> + Send + Sync + 'static,
+        spawn: impl Fn(crate::store::BoxFuture<'static, ()>) -> tokio::task::JoinHandle<()>
+        + Send
+        + Sync
+        + 'static,
     ) -> Self {
         let spawn: Arc<crate::settings::SpawnFn> = Arc::new(spawn);
         self.change(move |s| s.spawner = Some(spawn))
@@ -227,6 +232,8 @@ impl Once {
     /// Makes the units' owner tokens a function of `seed`, as
     /// [`IdempotencyLayer::with_seed`](crate::IdempotencyLayer::with_seed) does for requests:
     /// for a run that must replay exactly. Never in production.
+    #[cfg(feature = "simulation")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "simulation")))]
     pub fn with_seed(self, seed: u64) -> Self {
         self.change(|s| s.seed = Some(seed))
     }

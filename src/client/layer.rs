@@ -219,6 +219,8 @@ impl IdempotencyClientLayer {
     /// Makes the client's randomness a function of `seed`: the keys it mints and the jitter of
     /// its pauses. For a test or a simulation that must replay exactly; keys minted from a seed
     /// are unique only among this layer's calls, so never set one in production.
+    #[cfg(feature = "simulation")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "simulation")))]
     pub fn with_seed(self, seed: u64) -> Self {
         self.set(|s| s.seed = Some(seed))
     }
