@@ -24,18 +24,11 @@
 //!
 //! # What a client sees
 //!
-//! For a guarded request (by default `POST` and `PATCH`) carrying `Idempotency-Key`:
-//!
-//! | situation | answer |
-//! |---|---|
-//! | first request with the key | the handler runs; its response is stored and returned |
-//! | retry after it completed | the stored response: same status, headers, body and trailers, plus `Idempotent-Replayed: true` |
-//! | retry while the first is still running | waits for it (10 s by default, or what it asks for with `Prefer: wait=N`, up to 60 s) and gets its answer; then 409 with `Retry-After` |
-//! | same key, different method, path, query, `Content-Type`, body (or configured headers) | 422 |
-//! | same key, different credentials | a record of its own (see [`scope`]) |
-//! | malformed, empty, oversize, repeated or listed key | 400 |
-//! | body over the request limit, or not received in time | 413, 408 |
-//! | store unreachable | 503 with `Retry-After`; the handler did not run |
+//! A retry after completion gets the stored response (`Idempotent-Replayed: true`); a retry
+//! while the first still runs waits for it, then gets 409 with `Retry-After`; the same key with
+//! another request gets 422; a malformed key 400; an unreachable store 503, the handler not run.
+//! Every situation and its answer is in one table:
+//! [what clients see](guide::how_it_works#what-clients-see).
 //!
 //! Answers that say nothing was executed (400, 401, 403, 404, 405, 413, 415, 422: router,
 //! extractor and authentication rejections) release the key, so the corrected request runs; see
