@@ -437,7 +437,7 @@ impl IdempotencyLayer {
     #[cfg(feature = "simulation")]
     #[cfg_attr(docsrs, doc(cfg(feature = "simulation")))]
     pub fn with_seed(mut self, seed: u64) -> Self {
-        self.settings.seed = Some(seed);
+        self.settings.seed = Some(settings::Seed::new(seed));
         self
     }
 }
@@ -484,5 +484,33 @@ impl std::fmt::Debug for IdempotencyLayer {
         f.debug_struct("IdempotencyLayer")
             .field("settings", &self.settings)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(all(test, feature = "simulation"))]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    /// The engine a layer builds its services on.
+    fn engine(layer: &IdempotencyLayer) -> Engine {
+        let telemetry = Telemetry::new(Arc::default(), "memory", Family::Requests);
+        Engine::new(layer.settings.clone(), telemetry, Arc::clone(&layer.state))
+    }
+
+    /// Layers derived from one seeded layer never draw the same owner token, though a later
+    /// setting (the lease) gives each its own runtime state: two owners with one token would
+    /// pass each other's ownership checks.
+    #[test]
+    fn layers_derived_from_one_seed_draw_distinct_owner_tokens() {
+        let base = IdempotencyLayer::new(MemoryStore::new()).with_seed(7);
+        let one = engine(&base.clone().with_lease(Duration::from_secs(5)));
+        let other = engine(&base.with_lease(Duration::from_secs(9)));
+        let mut tokens: Vec<_> = (0..3)
+            .flat_map(|_| [one.owner_token(), other.owner_token()])
+            .collect();
+        tokens.sort();
+        tokens.dedup();
+        assert_eq!(tokens.len(), 6, "a token was drawn twice: {tokens:?}");
     }
 }

@@ -73,7 +73,33 @@ pub(crate) struct Settings {
     pub(crate) keys_in_clear: bool,
     // Tasks and randomness.
     pub(crate) spawner: Option<Arc<SpawnFn>>,
-    pub(crate) seed: Option<u64>,
+    pub(crate) seed: Option<Arc<Seed>>,
+}
+
+/// A seed for owner tokens, and how many were drawn from it: shared by every layer (and clone)
+/// configured with it, so that tokens stay unique whatever a later setting replaces.
+#[derive(Debug)]
+pub(crate) struct Seed {
+    value: u64,
+    drawn: std::sync::atomic::AtomicU64,
+}
+
+impl Seed {
+    #[cfg(feature = "simulation")]
+    pub(crate) fn new(value: u64) -> Arc<Self> {
+        Arc::new(Self {
+            value,
+            drawn: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// The next owner token of this seed.
+    pub(crate) fn token(&self) -> uuid::Uuid {
+        let drawn = self
+            .drawn
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        uuid::Uuid::from_u64_pair(self.value, drawn)
+    }
 }
 
 impl Settings {

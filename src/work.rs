@@ -235,7 +235,7 @@ impl Once {
     #[cfg(feature = "simulation")]
     #[cfg_attr(docsrs, doc(cfg(feature = "simulation")))]
     pub fn with_seed(self, seed: u64) -> Self {
-        self.change(|s| s.seed = Some(seed))
+        self.change(|s| s.seed = Some(crate::settings::Seed::new(seed)))
     }
 
     /// Rebuilds the outcome of a unit whose work committed through the fence

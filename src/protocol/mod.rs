@@ -81,8 +81,6 @@ pub(crate) struct State {
     warned_inner_timeout: AtomicBool,
     /// The store renewals go through: the store's detached twin, made with the first lease.
     renewals: std::sync::OnceLock<Arc<dyn Store>>,
-    /// Owner tokens drawn, for a layer with a seed.
-    tokens: AtomicU64,
 }
 
 impl std::fmt::Debug for State {
@@ -475,8 +473,8 @@ impl Engine {
     pub(crate) fn owner_token(&self) -> Uuid {
         static PROCESS: LazyLock<u64> = LazyLock::new(|| Uuid::new_v4().as_u64_pair().0);
         static COUNTER: AtomicU64 = AtomicU64::new(0);
-        match self.settings.seed {
-            Some(seed) => Uuid::from_u64_pair(seed, self.state.tokens.fetch_add(1, Relaxed)),
+        match &self.settings.seed {
+            Some(seed) => seed.token(),
             None => Uuid::from_u64_pair(*PROCESS, COUNTER.fetch_add(1, Relaxed)),
         }
     }
