@@ -231,6 +231,10 @@ async fn a_failover_and_a_resharding_mid_run_run_nothing_twice() {
 /// answers 503 for as long as nothing rebuilds it.
 async fn once_the_cluster_settles_after_a_killed_master_every_key_is_served_within_seconds() {
     const WITHIN: Duration = Duration::from_secs(5);
+    // How long the cluster itself may take to agree again after each fault, on a machine made
+    // busy on purpose and running other tests beside: not what this test measures (it once
+    // took over 30 s in CI), so generous.
+    const SETTLING: Duration = Duration::from_secs(120);
     let cluster = Arc::new(
         tokio::task::spawn_blocking(RedisCluster::start)
             .await
@@ -253,7 +257,7 @@ async fn once_the_cluster_settles_after_a_killed_master_every_key_is_served_with
             support::signal_pid(pid, "-STOP");
             std::thread::sleep(Duration::from_secs(4));
             support::signal_pid(pid, "-CONT");
-            cluster.wait_until_settled();
+            cluster.wait_until_settled_within(SETTLING);
             cluster.failover();
             // Every node frozen for longer than the store's timeout: every call fails for
             // seconds, and the store connects to the cluster afresh.
@@ -265,7 +269,7 @@ async fn once_the_cluster_settles_after_a_killed_master_every_key_is_served_with
             std::thread::sleep(Duration::from_secs(5));
             pids.iter()
                 .for_each(|&pid| support::signal_pid(pid, "-CONT"));
-            cluster.wait_until_settled();
+            cluster.wait_until_settled_within(SETTLING);
         })
     };
     // Traffic throughout, each key once: the store meets every fault as it happens.

@@ -183,7 +183,13 @@ impl RedisCluster {
     /// (`redis-cli --cluster check`), and every replica is linked to its master (so a
     /// coordinated failover loses nothing).
     pub fn wait_until_settled(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        self.wait_until_settled_within(Duration::from_secs(30));
+    }
+
+    /// [`wait_until_settled`](Self::wait_until_settled), for as long as `patience`; the panic
+    /// says what was still unsettled.
+    pub fn wait_until_settled_within(&self, patience: Duration) {
+        let deadline = Instant::now() + patience;
         loop {
             let alive = self.nodes_alive();
             let synced = alive.iter().all(|&i| {
@@ -195,12 +201,17 @@ impl RedisCluster {
                 .arg(format!("127.0.0.1:{}", self.ports[alive[0]]))
                 .output()
                 .unwrap();
-            let agree = check.status.success()
-                && String::from_utf8_lossy(&check.stdout).contains("All nodes agree");
-            if synced && agree && self.cluster_ok() {
+            let report = String::from_utf8_lossy(&check.stdout);
+            let agree = check.status.success() && report.contains("All nodes agree");
+            let ok = self.cluster_ok();
+            if synced && agree && ok {
                 return;
             }
-            assert!(Instant::now() < deadline, "the cluster did not settle");
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not settle within {patience:?}: replicas synced {synced}, \
+                 cluster_state ok {ok}, nodes agree {agree}:\n{report}"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
