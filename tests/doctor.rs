@@ -67,6 +67,29 @@ async fn a_healthy_setup_reports_every_check_and_nothing_to_fix() {
     schema.drop().await;
 }
 
+/// The version line says which compare-and-set commands the server has, as the server itself
+/// answers them (not from its version string), and which of the store's changes use them: on
+/// Redis 7 and 8.2 none, on Valkey 8.1 `SET … IFEQ`, on Valkey 9.1 `DELIFEQ` too.
+#[tokio::test]
+async fn the_version_line_names_the_compare_and_set_commands_the_server_has() {
+    let redis = RedisServer::start().await;
+    let diagnosis = RedisStore::open(&redis.url()).unwrap().diagnose().await;
+    let line = &diagnosis
+        .of("version")
+        .next()
+        .expect("a version line")
+        .message;
+    let (set_ifeq, delifeq) = (redis.has_set_ifeq().await, redis.has_delifeq().await);
+    assert_eq!(line.contains("SET IFEQ"), set_ifeq, "{line}");
+    assert_eq!(line.contains("DELIFEQ"), delifeq, "{line}");
+    let uses = match (set_ifeq, delifeq) {
+        (true, true) => "completion and renewal use SET IFEQ, release DELIFEQ",
+        (true, false) => "completion and renewal use SET IFEQ",
+        _ => "every change runs a script",
+    };
+    assert!(line.ends_with(uses), "{line}");
+}
+
 #[tokio::test]
 async fn an_evicting_redis_without_persistence_puts_the_guarantee_at_risk() {
     for policy in ["allkeys-lru", "volatile-ttl"] {

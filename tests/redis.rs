@@ -115,18 +115,20 @@ async fn script_flush_between_calls_changes_nothing() {
     }
 }
 
-/// Completion and renewal are one `SET … IFEQ` on servers that have it (Valkey 8.1 here), the
-/// scripts on servers that refuse it (Redis 7.0 here): the server's own command counts say
-/// which ran, and the answers are the same either way.
+/// Completion and renewal are one `SET … IFEQ` on servers that have it (Valkey 8.1 and 9.1,
+/// Redis 8.4), release one `DELIFEQ` (Valkey 9.1), the scripts on servers that refuse them
+/// (Redis 7.0 and 8.2): the server's own command counts say which ran, and the answers are the
+/// same either way.
 #[tokio::test]
 async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_where_not() {
     let server = RedisServer::start().await;
     let store = store_on(&server.url());
-    // The first finalize finds out what the server offers; the scripts get loaded.
+    // The first finalizes find out what the server offers; the scripts get loaded.
     let warm_up = claim_request("k-warm-up", Duration::from_secs(30));
     let lease = support::acquire(&store, &warm_up).await;
     let renewed = store.renew(&lease, Duration::from_secs(30)).await.unwrap();
     assert_eq!(renewed, Ownership::Held);
+    assert_eq!(store.release(&lease).await.unwrap(), Ownership::Held);
     server.reset_stats().await;
 
     let mut leases = Vec::new();
@@ -153,16 +155,36 @@ async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_wher
     let response = ok_response();
     let completed = store.complete(stale, &response, Duration::from_secs(60));
     assert_eq!(completed.await.unwrap(), Ownership::Lost);
+    assert_eq!(store.release(stale).await.unwrap(), Ownership::Lost);
+    // A release frees the key for the next claim; the same lease released again holds nothing.
+    let request = claim_request("k-cas-released", Duration::from_secs(30));
+    let lease = support::acquire(&store, &request).await;
+    assert_eq!(store.release(&lease).await.unwrap(), Ownership::Held);
+    assert_eq!(store.release(&lease).await.unwrap(), Ownership::Lost);
+    let next = claim_request("k-cas-released", Duration::from_secs(30));
+    let again = support::acquire(&store, &next).await;
+    assert_eq!(store.release(&lease).await.unwrap(), Ownership::Lost);
+    assert_eq!(store.release(&again).await.unwrap(), Ownership::Held);
 
     // A script's own `redis.call`s count too: each claim that acquires is one SET inside
-    // claim.lua, each scripted completion one inside complete.lua (renew.lua's is a PEXPIRE).
-    let (scripts, sets) = (server.calls("evalsha").await, server.calls("set").await);
-    if server.has_set_ifeq().await {
-        // Claims and replays run the script; renewals and completions are one SET each.
-        assert_eq!((scripts, sets), (4, 2 + 6));
-    } else {
+    // claim.lua, each scripted completion one inside complete.lua (renew.lua's is a PEXPIRE),
+    // each scripted release that deletes one DEL inside release.lua.
+    let count = async |command: &str| server.calls(command).await;
+    let counts = (
+        count("evalsha").await,
+        count("set").await,
+        count("delifeq").await,
+        count("del").await,
+    );
+    // 4 claims that acquire and 2 replays always run claim.lua.
+    match (server.has_set_ifeq().await, server.has_delifeq().await) {
+        // Renewals and completions are one SET each, releases one DELIFEQ each.
+        (true, true) => assert_eq!(counts, (6, 4 + 6, 5, 0)),
+        // Releases run release.lua.
+        (true, false) => assert_eq!(counts, (6 + 5, 4 + 6, 0, 2)),
         // Every call runs a script.
-        assert_eq!((scripts, sets), (10, 2 + 2));
+        (false, false) => assert_eq!(counts, (6 + 6 + 5, 4 + 2, 0, 2)),
+        (false, true) => panic!("a server with DELIFEQ and without SET … IFEQ"),
     }
 }
 

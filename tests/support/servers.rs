@@ -126,6 +126,17 @@ impl RedisServer {
             .is_ok()
     }
 
+    /// Whether the server has `DELIFEQ` (Valkey 9.0), asked of a key that does not exist, so
+    /// nothing is deleted either way.
+    pub async fn has_delifeq(&self) -> bool {
+        redis::cmd("DELIFEQ")
+            .arg("probe:delifeq")
+            .arg("v")
+            .query_async::<redis::Value>(&mut self.admin().await)
+            .await
+            .is_ok()
+    }
+
     /// Zeroes the server's command counts (`CONFIG RESETSTAT`).
     pub async fn reset_stats(&self) {
         let () = redis::cmd("CONFIG")

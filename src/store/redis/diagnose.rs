@@ -54,7 +54,7 @@ impl RedisStore {
         };
         match self.info(node, "server").await {
             Ok(server) => {
-                let commands = self.conditional_deletes(node).await;
+                let commands = self.compare_and_set_commands(node).await;
                 let (severity, message) = version(&server, &commands);
                 diagnosis.push(severity, STORE, "version", format!("{on}{message}"));
             }
@@ -83,21 +83,28 @@ impl RedisStore {
         diagnosis.push(severity, STORE, "persistence", format!("{on}{message}"));
     }
 
-    /// Which of `DELIFEQ` and `DELEX` the server knows (`COMMAND INFO` answers nil for others).
-    async fn conditional_deletes(&self, node: &Node) -> Vec<&'static str> {
-        let names = ["DELIFEQ", "DELEX"];
+    /// The compare-and-set commands `node` says it has: `SET IFEQ` where `COMMAND DOCS SET`
+    /// names the `IFEQ` argument, `DELIFEQ` and `DELEX` where `COMMAND INFO` knows them (it
+    /// answers nil for commands it does not).
+    async fn compare_and_set_commands(&self, node: &Node) -> Vec<&'static str> {
+        let mut offers = Vec::new();
+        let docs = self.ask(node, &["COMMAND", "DOCS", "SET"]).await;
+        if docs.is_ok_and(|docs| names(&docs, "ifeq")) {
+            offers.push("SET IFEQ");
+        }
+        let deletes = ["DELIFEQ", "DELEX"];
         let reply = self
-            .ask(node, &["COMMAND", "INFO", names[0], names[1]])
+            .ask(node, &["COMMAND", "INFO", deletes[0], deletes[1]])
             .await;
-        let Ok(Value::Array(infos)) = reply else {
-            return Vec::new();
-        };
-        names
-            .into_iter()
-            .zip(infos)
-            .filter(|(_, info)| !matches!(info, Value::Nil))
-            .map(|(name, _)| name)
-            .collect()
+        if let Ok(Value::Array(infos)) = reply {
+            let known = deletes.into_iter().zip(infos);
+            offers.extend(
+                known
+                    .filter(|(_, info)| *info != Value::Nil)
+                    .map(|(name, _)| name),
+            );
+        }
+        offers
     }
 
     async fn check_slots(&self, masters: &[Node], diagnosis: &mut Diagnosis) {
@@ -208,28 +215,37 @@ fn triple(version: &str) -> (u32, u32, u32) {
     (next(), next(), next())
 }
 
-/// The server's name and version, and which compare-and-set commands it offers.
+/// Whether `value` holds the string `name` (in any case), at any depth.
+fn names(value: &Value, name: &str) -> bool {
+    match value {
+        Value::BulkString(bytes) => bytes.eq_ignore_ascii_case(name.as_bytes()),
+        Value::SimpleString(text) => text.eq_ignore_ascii_case(name),
+        Value::Array(items) | Value::Set(items) => items.iter().any(|item| names(item, name)),
+        Value::Map(pairs) => pairs
+            .iter()
+            .any(|(key, value)| names(key, name) || names(value, name)),
+        _ => false,
+    }
+}
+
+/// The server's name and version, and which of the compare-and-set `commands` it offers (as
+/// the server says, not from its version) the store uses.
 fn version(server: &Info, commands: &[&str]) -> (Severity, String) {
     let (name, version) = match server.get("valkey_version") {
         Some(version) => ("Valkey", version),
         None => ("Redis", server.get("redis_version").unwrap_or("unknown")),
     };
     let v = triple(version);
-    // SET … IFEQ: Valkey 8.1, Redis 8.4; DELIFEQ and DELEX are asked of the server itself.
-    let set_ifeq = if name == "Valkey" {
-        v >= (8, 1, 0)
-    } else {
-        v >= (8, 4, 0)
-    };
-    let mut offers: Vec<&str> = set_ifeq.then_some("SET IFEQ").into_iter().collect();
-    offers.extend(commands);
-    let offers = match offers.is_empty() {
+    let offers = match commands.is_empty() {
         true => "none".to_owned(),
-        false => offers.join(", "),
+        false => commands.join(", "),
     };
-    let finalizes = match set_ifeq {
-        true => "completion and renewal use SET IFEQ",
-        false => "every change runs a script",
+    let has = |command| commands.contains(&command);
+    let finalizes = match (has("SET IFEQ"), has("DELIFEQ")) {
+        (true, true) => "completion and renewal use SET IFEQ, release DELIFEQ",
+        (true, false) => "completion and renewal use SET IFEQ",
+        (false, true) => "release uses DELIFEQ",
+        (false, false) => "every change runs a script",
     };
     let message = format!("{name} {version}; compare-and-set commands: {offers}; {finalizes}");
     if name == "Redis" && v < (6, 2, 0) {

@@ -2,21 +2,19 @@
 //! server compares and sets, one command on the exact record the claim wrote.
 
 mod admin;
+mod compare;
 mod connection;
 mod diagnose;
 mod record;
 mod watch;
 
 use std::{
-    sync::{
-        Arc, LazyLock,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, LazyLock},
     time::Duration,
 };
 
 use ::redis::{
-    Client, ErrorKind, IntoConnectionInfo, RedisError, RetryMethod, Script, ServerErrorKind, Value,
+    Client, IntoConnectionInfo, RedisError, RetryMethod, Script, Value,
     aio::{ConnectionManager, ConnectionManagerConfig},
 };
 
@@ -46,13 +44,15 @@ use crate::response::StoredResponse;
 /// On a server with `SET … IFEQ` (Valkey 8.1 and newer, Redis 8.4 and newer) completion and
 /// renewal are not scripts but one `SET` conditional on the whole in-flight record the claim
 /// wrote (layout, fingerprint, owner token and fence: a reclaimed or completed key never
-/// matches), which costs the server a fraction of a script (see `BENCHMARKS.md`). The claim
-/// stays a script (it reads before it writes, so a replay is one call), and so does release:
-/// `DELIFEQ` (Valkey 9.0) and `DELEX … IFEQ` (Redis 8.4) are not used yet. The records are the
-/// same either way. The store tries `IFEQ` first; a server that refuses it with an error (and
-/// so writes nothing) gets the scripts from then on, for the life of the store. A lease made
-/// with [`Lease::new`] rather than from its claim, which does not know the record's bytes, is
-/// finalized by the scripts.
+/// matches), which costs the server a fraction of a script (see `BENCHMARKS.md`); on a server
+/// with `DELIFEQ` (Valkey 9.0 and newer) release is one `DELIFEQ` on that same record. The
+/// claim stays a script (it reads before it writes, so a replay is one call, and it draws the
+/// fence from the server's clock); `DELEX … IFEQ` (Redis 8.4) is not used yet. The records are
+/// the same either way. The store tries each command first; a server that refuses one with an
+/// error (and so writes nothing) gets that command's script from then on, for the life of the
+/// store: a cluster in the middle of an upgrade gets the scripts until the store is made anew.
+/// A lease made with [`Lease::new`] rather than from its claim, which does not know the
+/// record's bytes, is finalized by the scripts.
 ///
 /// The connection reconnects by itself after a Redis restart, and every call is bounded by a
 /// timeout (250 ms by default), so a slow or stalled Redis surfaces as a [`StoreError::Timeout`]
@@ -84,8 +84,8 @@ pub struct RedisStore {
     backend: Backend,
     prefix: Arc<str>,
     timeout: Duration,
-    /// Set once the server refused `SET … IFEQ`: finalize with the scripts.
-    scripts_only: Arc<AtomicBool>,
+    /// The compare-and-set commands the server refused: their scripts run instead.
+    refused: Arc<compare::Refused>,
     /// How long after its completion a key is kept as a tombstone (zero: not at all).
     horizon: Duration,
 }
@@ -167,7 +167,7 @@ impl RedisStore {
             backend,
             prefix: Arc::from("idempotency:"),
             timeout: DEFAULT_REDIS_TIMEOUT,
-            scripts_only: Arc::default(),
+            refused: Arc::default(),
             horizon: Duration::ZERO,
         }
     }
@@ -339,55 +339,6 @@ impl RedisStore {
             Ownership::Lost
         })
     }
-
-    /// Writes `next` (made from the record the lease's claim wrote) over that exact record, for
-    /// `millis`, with one `SET … IFEQ`. `None`: the lease does not know its record (no receipt),
-    /// or the server has no `IFEQ` (it refused the command, so nothing was written): the caller
-    /// runs its script.
-    async fn compare_and_set(
-        &self,
-        lease: &Lease,
-        next: impl FnOnce(&[u8]) -> Vec<u8>,
-        millis: u64,
-    ) -> Result<Option<Ownership>, StoreError> {
-        if self.scripts_only.load(Ordering::Relaxed) {
-            return Ok(None);
-        }
-        let Some(current) = lease.receipt().and_then(|receipt| {
-            record::in_flight(receipt.fingerprint, lease.owner(), receipt.fence)
-        }) else {
-            return Ok(None);
-        };
-        let mut set = ::redis::cmd("SET");
-        set.arg(self.record_key(lease.record()))
-            .arg(next(&current))
-            .arg("IFEQ")
-            .arg(&current)
-            .arg("PX")
-            .arg(millis);
-        let reply = self
-            .call(async |connection| match set.query_async(connection).await {
-                Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::ResponseError) => {
-                    tracing::debug!(%error, "Redis has no SET … IFEQ: finalizing with scripts");
-                    Ok(None)
-                }
-                reply => reply.map(Some),
-            })
-            .await?;
-        match reply {
-            None => {
-                self.scripts_only.store(true, Ordering::Relaxed);
-                Ok(None)
-            }
-            Some(Value::Okay) => Ok(Some(Ownership::Held)),
-            Some(Value::Nil) => Ok(Some(Ownership::Lost)),
-            Some(other) => Err(StoreError::corrupt(
-                STORE,
-                lease.record(),
-                format!("unexpected SET … IFEQ reply {other:?}"),
-            )),
-        }
-    }
 }
 
 impl Store for RedisStore {
@@ -466,7 +417,12 @@ impl Store for RedisStore {
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
-        Box::pin(async move { self.owner_checked(&RELEASE, (lease, None), &[]).await })
+        Box::pin(async move {
+            if let Some(ownership) = self.delete_if_equal(lease).await? {
+                return Ok(ownership);
+            }
+            self.owner_checked(&RELEASE, (lease, None), &[]).await
+        })
     }
 
     fn kind(&self) -> &'static str {
