@@ -99,8 +99,8 @@ impl RedisStore {
             .transpose()
     }
 
-    /// Asks the server whether it has `DELIFEQ` (`COMMAND INFO` answers nil for a command it
-    /// does not know) and remembers the answer; `false` when it could not be asked, to ask
+    /// Asks the server whether it has `DELIFEQ` (`COMMAND INFO`, see [`known`]) and remembers
+    /// the answer; `false` when it could not be asked, to ask
     /// again next time. The command itself is not the probe: a server's error for an unknown
     /// command echoes its arguments, and a record's bytes make that error unreadable.
     async fn ask_for_delifeq(&self) -> bool {
@@ -112,8 +112,7 @@ impl RedisStore {
         let Ok(reply) = reply else {
             return false;
         };
-        let known = matches!(&reply, Value::Array(infos) if infos.iter().any(|i| *i != Value::Nil));
-        if !known {
+        if known(&reply, &["DELIFEQ"]).is_empty() {
             self.refused.delifeq.store(true, Ordering::Relaxed);
         }
         self.refused.delifeq_asked.store(true, Ordering::Relaxed);
@@ -131,6 +130,19 @@ pub(super) struct Refused {
     delifeq: AtomicBool,
     /// Whether the server was asked for `DELIFEQ` (see `ask_for_delifeq`).
     delifeq_asked: AtomicBool,
+}
+
+/// Which of `names` a `COMMAND INFO` of them, in that order, says the server knows: it answers
+/// nil for a command it does not.
+pub(super) fn known<'n>(reply: &Value, names: &[&'n str]) -> Vec<&'n str> {
+    let Value::Array(infos) = reply else {
+        return Vec::new();
+    };
+    let answers = names.iter().zip(infos);
+    answers
+        .filter(|(_, info)| **info != Value::Nil)
+        .map(|(name, _)| *name)
+        .collect()
 }
 
 /// A reply a compare-and-set `command` never gives.

@@ -84,8 +84,7 @@ impl RedisStore {
     }
 
     /// The compare-and-set commands `node` says it has: `SET IFEQ` where `COMMAND DOCS SET`
-    /// names the `IFEQ` argument, `DELIFEQ` and `DELEX` where `COMMAND INFO` knows them (it
-    /// answers nil for commands it does not).
+    /// names the `IFEQ` argument, `DELIFEQ` and `DELEX` where `COMMAND INFO` knows them.
     async fn compare_and_set_commands(&self, node: &Node) -> Vec<&'static str> {
         let mut offers = Vec::new();
         let docs = self.ask(node, &["COMMAND", "DOCS", "SET"]).await;
@@ -96,13 +95,8 @@ impl RedisStore {
         let reply = self
             .ask(node, &["COMMAND", "INFO", deletes[0], deletes[1]])
             .await;
-        if let Ok(Value::Array(infos)) = reply {
-            let known = deletes.into_iter().zip(infos);
-            offers.extend(
-                known
-                    .filter(|(_, info)| *info != Value::Nil)
-                    .map(|(name, _)| name),
-            );
+        if let Ok(reply) = reply {
+            offers.extend(super::compare::known(&reply, &deletes));
         }
         offers
     }
