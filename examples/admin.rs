@@ -4,7 +4,7 @@
 //! ```sh
 //! cargo run --example admin -- inspect order-42        # what each tier holds
 //! cargo run --example admin -- forget order-42         # delete it in every tier
-//! cargo run --example admin -- stuck 5m                # keys in flight for 5 minutes or more
+//! cargo run --example admin -- stuck 5m                # keys in flight for 5 minutes or more, and why the completer could not finish them
 //! cargo run --example admin -- inspect order-42 --scope cred:9f86d081884c7d659a2feaa0c55ad015
 //! cargo run --example admin -- doctor                  # the stores' settings that break guarantees
 //! ```
@@ -247,19 +247,20 @@ async fn main() -> ExitCode {
                 );
                 if !stuck.is_empty() {
                     println!(
-                        "{:<40} {:<24} {:<9} {:>10} {:>10} {:>20}",
+                        "{:<40} {:<24} {:<9} {:>10} {:>10} {:>20}  unfinished, because",
                         "scope", "key", "state", "age", "lease left", "fence"
                     );
                 }
                 for info in &stuck {
                     println!(
-                        "{:<40} {:<24} {:<9} {:>10} {:>10} {:>20}",
+                        "{:<40} {:<24} {:<9} {:>10} {:>10} {:>20}  {}",
                         info.record.scope(),
                         info.record.key().as_str(),
                         info.state.as_str(),
                         info.age.map_or("-".into(), human),
                         info.lease_left.map_or("-".into(), human),
                         info.fence,
+                        info.unfinished.as_deref().unwrap_or("-"),
                     );
                 }
                 Ok(())

@@ -4,7 +4,7 @@ use std::{sync::Arc, time::Duration};
 
 use uuid::Uuid;
 
-use crate::{IdempotencyKey, response::StoreRules, store::Lease};
+use crate::{IdempotencyKey, kept::KeptRequest, response::StoreRules, store::Lease};
 
 /// The claim the current request holds: inserted into the request extensions by the layer before
 /// the handler runs, for requests that carry an idempotency key.
@@ -27,6 +27,10 @@ pub struct IdempotencyClaim {
     /// (`Vary`), as the layer stores them.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     request_headers: Arc<http::HeaderMap>,
+    /// The request, where the layer keeps it for the completer: written with the first
+    /// recovery point.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    kept: Option<Arc<KeptRequest>>,
 }
 
 /// Without the request's headers: they may carry credentials.
@@ -51,6 +55,7 @@ impl IdempotencyClaim {
             lease_duration: crate::settings::DEFAULT_LEASE,
             rules: Arc::default(),
             request_headers: Arc::default(),
+            kept: None,
         }
     }
 
@@ -66,7 +71,7 @@ impl IdempotencyClaim {
         lease: Lease,
         (retention, lease_duration): (Duration, Duration),
         rules: Arc<StoreRules>,
-        request_headers: Arc<http::HeaderMap>,
+        (request_headers, kept): (Arc<http::HeaderMap>, Option<Arc<KeptRequest>>),
     ) -> Self {
         Self {
             lease,
@@ -74,6 +79,7 @@ impl IdempotencyClaim {
             lease_duration,
             rules,
             request_headers,
+            kept,
         }
     }
 
@@ -339,6 +345,11 @@ impl IdempotencyClaim {
     /// lease, and keeps the key (and so the progress) for the retention period. Fails with
     /// [`FenceError::LeaseLost`](crate::store::FenceError::LeaseLost) if another attempt took
     /// the key over: roll back.
+    ///
+    /// Where the layer keeps requests
+    /// ([`with_kept_requests`](crate::IdempotencyLayer::with_kept_requests)), the first
+    /// recovery point also keeps the request, so that the [completer](crate::completer) can
+    /// resume the handler if its instance dies and nobody retries.
     pub async fn advance(
         &self,
         connection: &mut sqlx::PgConnection,
@@ -346,7 +357,9 @@ impl IdempotencyClaim {
         payload: &serde_json::Value,
     ) -> Result<(), crate::store::FenceError> {
         let times = (self.retention, self.lease_duration);
-        crate::store::advance(connection, &self.lease, times, point, payload).await
+        let kept = self.kept.as_deref().map(KeptRequest::encode);
+        let step = (point, payload, kept.as_deref());
+        crate::store::advance(connection, &self.lease, times, step).await
     }
 }
 

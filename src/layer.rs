@@ -8,6 +8,7 @@ use tower_layer::Layer;
 
 use crate::{
     Idempotency,
+    completer::{Completer, KeptRequests},
     policy::CompletionPolicy,
     problem::Problem,
     protocol::{Engine, State},
@@ -393,6 +394,36 @@ impl IdempotencyLayer {
     pub fn with_protected_until_header(mut self, send: bool) -> Self {
         self.settings.protected_until_header = send;
         self
+    }
+}
+
+/// # The completer: what nobody retries, finished
+impl IdempotencyLayer {
+    /// Keeps the request a key was claimed for, with its first recovery point, so that the
+    /// [completer](crate::completer) can resume the handler when its instance dies and nobody
+    /// retries. Off by default. What is kept, and up to which size, is `kept`'s; credentials
+    /// never are. Install it on the routes whose handlers record recovery points.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, completer::KeptRequests};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_kept_requests(KeptRequests::new().with_max_body(16 * 1024));
+    /// ```
+    pub fn with_kept_requests(mut self, kept: KeptRequests) -> Self {
+        self.settings.kept_requests = Some(Arc::new(kept));
+        self
+    }
+
+    /// The [completer](crate::completer) of this layer's keys: it resumes kept requests
+    /// through `service` (the service this layer guards, inside any layer that authenticates:
+    /// kept requests carry no credentials), and answers keys committed without an answer
+    /// with this layer's recovery hook. Run it with [`Completer::spawn`] on every instance.
+    pub fn completer<S>(&self, service: S) -> Completer<S> {
+        let (counters, store) = (Arc::clone(&self.counters), self.settings.store.kind());
+        let telemetry = Telemetry::new(counters, store, Family::Requests);
+        let engine = Engine::new(self.settings.clone(), telemetry, Arc::clone(&self.state));
+        Completer::new(Arc::new(engine), service)
     }
 }
 

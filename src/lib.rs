@@ -94,12 +94,14 @@ pub mod conformance;
 #[cfg(feature = "client")]
 pub mod client;
 mod layer;
+pub mod completer;
 pub mod work;
 mod service;
 mod future;
 mod protocol;
 mod claim;
 mod settings;
+mod kept;
 mod answers;
 pub mod problem;
 pub mod policy;

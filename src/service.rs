@@ -16,6 +16,7 @@ use crate::{
     body::{RequestBody, ResponseBody},
     future::ResponseFuture,
     grpc::Wire,
+    kept::Resumption,
     problem::Rejection,
     protocol::{self, Engine},
     store::{BoxError, RecordKey},
@@ -85,6 +86,15 @@ where
             return self.pass_through(request);
         }
         let wire = Wire::of(request.headers());
+        if let Some(resumption) = request.extensions().get::<Resumption>() {
+            // The completer's: key and scope as the key was claimed with.
+            let record = Arc::clone(&resumption.record);
+            let span = request_span();
+            let shown = settings.shown_record(&record);
+            span.record("key", tracing::field::display(shown.key));
+            span.record("scope", tracing::field::display(shown.scope));
+            return self.guard(record, request, wire, span);
+        }
         let key = match IdempotencyKey::from_headers(request.headers(), &settings.key_header) {
             Ok(Some(key)) => key,
             Ok(None) if !settings.key_required => return self.pass_through(request),
@@ -108,19 +118,46 @@ where
             return self.reject(Rejection::NoScope, Some(&key), wire, span);
         };
         span.record("scope", tracing::field::display(settings.shown(&scope)));
+        let record = Arc::new(RecordKey::new(scope, key));
+        self.guard(record, Request::from_parts(parts, body), wire, span)
+    }
+}
+
+impl<S> Idempotency<S> {
+    /// Runs a guarded request for `record`.
+    fn guard<ReqBody, ResBody>(
+        &mut self,
+        record: Arc<RecordKey>,
+        request: Request<ReqBody>,
+        wire: Wire,
+        span: tracing::Span,
+    ) -> ResponseFuture<S::Future, ResBody, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqBody: Body + Send + 'static,
+        ReqBody::Data: Send,
+        ReqBody::Error: Into<BoxError>,
+        ResBody: Body + Send + 'static,
+        ResBody::Data: Send,
+        ResBody::Error: Into<BoxError>,
+    {
         // The service that was driven to readiness is the one that must be called, and it moves
         // into the task; a clone stays here. See tower-service's "Be careful when cloning inner
         // services".
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let (reply, receiver) = oneshot::channel();
-        let record = Arc::new(RecordKey::new(scope, key));
         // Boxed at once: the work's state is kilobytes, and moves through no wrapper.
         let work = Box::pin(protocol::run(
             Arc::clone(&self.engine),
             inner,
             Arc::clone(&record),
-            Request::from_parts(parts, body),
+            request,
             reply,
             wire,
         ));

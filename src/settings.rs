@@ -9,6 +9,7 @@ use http::{HeaderName, Method, request::Parts};
 use crate::{
     answers::Answers,
     fingerprint::BodyFingerprintFn,
+    kept::KeptRequests,
     policy::CompletionPolicy,
     response::StoreRules,
     scope,
@@ -69,6 +70,8 @@ pub(crate) struct Settings {
     pub(crate) answers: Answers,
     pub(crate) recovery: Option<Arc<RecoveryFn>>,
     pub(crate) protected_until_header: bool,
+    /// What of a request is kept for the completer, if anything.
+    pub(crate) kept_requests: Option<Arc<KeptRequests>>,
     // Observability.
     pub(crate) keys_in_clear: bool,
     // Tasks and randomness.
@@ -125,6 +128,7 @@ impl Settings {
             answers: Answers::default(),
             recovery: None,
             protected_until_header: false,
+            kept_requests: None,
             keys_in_clear: false,
             spawner: None,
             seed: None,

@@ -29,6 +29,7 @@
 //! | `PAYMENTS_PAUSE_AFTER_INTENT_MS` | on Postgres, a pause after step 1 (the intent) commits (0) |
 //! | `PAYMENTS_PAUSE_AFTER_CHARGE_MS` | on Postgres, a pause after the provider charged, before step 3 (0) |
 //! | `PAYMENTS_PAUSE_AFTER_COMMIT_MS` | a pause after the payment's last transaction commits, before the answer (0) |
+//! | `PAYMENTS_COMPLETER_PERIOD_MS` | on Postgres, how often the completer looks for payments abandoned mid-way (their instance died and nobody retried) and finishes them (5000; 0: no completer) |
 //! | `PAYMENTS_ANSWER_WITH_FENCE` | `false`: the last step fences with `commit` alone, and a retry whose instance died after it gets the answer the recovery hook rebuilds from the payment row (true) |
 //!
 //! Each charge carries an idempotency key derived from the payment's (`IdempotencyClaim::derived_key`),
@@ -77,6 +78,7 @@ use tower::{ServiceBuilder, ServiceExt};
 use tower_idempotency::{
     IdempotencyClaim, IdempotencyLayer, MemoryStore,
     client::{ClientBody, IdempotencyClient, IdempotencyClientLayer},
+    completer::KeptRequests,
     store::{FenceError, PostgresStore, RecordKey, RedisStore, Store, TieredStore},
 };
 
@@ -109,19 +111,31 @@ async fn main() {
         .with_max_wait(env_millis("IDEMPOTENCY_MAX_WAIT_MS", 60_000))
         .with_retention(env_millis("IDEMPOTENCY_RETENTION_MS", 86_400_000))
         .with_protected_until_header(true);
+    let completing = matches!(state.ledger, Ledger::Postgres(_));
     if let Ledger::Postgres(pool) = &state.ledger {
         let pool = pool.clone();
-        layer = layer.with_recovery(move |record| recover(pool.clone(), record));
+        // A payment whose instance died mid-way, and whose client gave up, is finished by the
+        // completer: it keeps the request (content type and body; never credentials) with the
+        // payment's first recovery point, to resume the handler with.
+        layer = layer
+            .with_recovery(move |record| recover(pool.clone(), record))
+            .with_kept_requests(KeptRequests::new());
     }
 
     // The layer guards the handler only: a 404 or a 405 never reaches it. Keys are scoped by
     // the caller's credentials (the default): two callers with different `Authorization`
     // headers never share a payment; requests without one share the anonymous scope.
     let app = Router::new()
-        .route("/payments", post(create_payment).route_layer(layer))
+        .route("/payments", post(create_payment).route_layer(layer.clone()))
         .route("/payments/{id}", get(get_payment))
         .with_state(Arc::new(state))
         .route("/metrics", get(move || metrics(prometheus.clone())));
+    // On every instance: payments abandoned mid-way (their instance died, nobody retried) are
+    // resumed about a lease plus a period after the death.
+    let period = env_millis("PAYMENTS_COMPLETER_PERIOD_MS", 5_000);
+    if completing && !period.is_zero() {
+        layer.completer(app.clone()).with_period(period).spawn();
+    }
 
     let port = env::var("PORT")
         .ok()

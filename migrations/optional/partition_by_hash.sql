@@ -16,10 +16,11 @@
 -- EXCLUSIVE lock: claims wait for it. Run it on an empty or small table (a new deployment, or
 -- in a quiet window). Applied to a table that is partitioned already, it changes nothing.
 --
--- Why 4: a statement's plan locks every partition and its indexes before it prunes to one, and
--- a session takes 16 such locks cheaply (PostgreSQL's fast-path locks, up to version 17); past
--- them each lock goes through the shared lock manager. With 4 partitions a lookup takes 14
--- locks, all fast-path; with 16, 50, of which 34 are not. Measured side by side on
+-- Why 4: a statement's generic plan locks every partition before it prunes to one (and, when
+-- it is planned, once per connection, every partition's indexes too), and a session takes 16
+-- such locks cheaply (PostgreSQL's fast-path locks, up to version 17); past them each lock goes
+-- through the shared lock manager. With 4 partitions a lookup's execution takes 6 locks, all
+-- fast-path; with 16, 18 (and its planning 50, of which 34 are not). Measured side by side on
 -- PostgreSQL 15 (BENCHMARKS.md, "Partitioned, measured again"): 4 partitions served
 -- 0.92-1.13x the plain table's fresh keys, 16 partitions 0.75-1.09x. More partitions cost every
 -- statement more.
@@ -40,6 +41,8 @@ BEGIN
     ALTER TABLE idempotency_keys_unpartitioned
         RENAME CONSTRAINT idempotency_keys_pkey TO idempotency_keys_unpartitioned_pkey;
     ALTER INDEX idempotency_keys_expires_at RENAME TO idempotency_keys_unpartitioned_expires_at;
+    ALTER INDEX IF EXISTS idempotency_keys_abandoned
+        RENAME TO idempotency_keys_unpartitioned_abandoned;
 
     -- Same columns, defaults and checks; the primary key holds the partition key.
     CREATE TABLE idempotency_keys (
@@ -47,6 +50,10 @@ BEGIN
         PRIMARY KEY (scope, key)
     ) PARTITION BY HASH (scope, key);
     CREATE INDEX idempotency_keys_expires_at ON idempotency_keys (expires_at);
+    -- The completer's scan (migration 20261205000000).
+    CREATE INDEX idempotency_keys_abandoned ON idempotency_keys (lease_until)
+        WHERE (state = 'in_flight' AND recovery_point IS NOT NULL)
+           OR (state = 'committed' AND response IS NULL);
     FOR i IN 0 .. partitions - 1 LOOP
         EXECUTE format(
             'CREATE TABLE %I PARTITION OF idempotency_keys FOR VALUES WITH (MODULUS %s, REMAINDER %s)',

@@ -45,11 +45,12 @@ use crate::{
     grpc,
     grpc::Wire,
     headers,
+    kept::Resumption,
     policy::Completion,
     problem::Rejection,
     response::StoredResponse,
     settings::Settings,
-    store::{BoxError, ClaimRequest, Lease, RecordKey, Store},
+    store::{BoxError, ClaimOutcome, ClaimRequest, Lease, RecordKey, Store},
     telemetry::Telemetry,
 };
 
@@ -217,6 +218,12 @@ where
             return None;
         }
     };
+    // The completer's request carries the fingerprint the key was claimed with: the headers
+    // that took part in it may not have been kept.
+    let fingerprint = parts
+        .extensions
+        .get::<Resumption>()
+        .map_or(fingerprint, |resumption| resumption.fingerprint);
     let claim = ClaimRequest::shared(
         record,
         fingerprint,
@@ -356,13 +363,14 @@ where
 {
     // The response may vary on request headers (`Vary`): keep them to store with it.
     let request_headers = Arc::new(parts.headers.clone());
-    let mut request = Request::from_parts(parts, RequestBody::buffered(body));
     let settings = &engine.settings;
+    let kept = (settings.kept_requests.as_ref()).and_then(|keep| keep.keep(&parts, &body));
+    let mut request = Request::from_parts(parts, RequestBody::buffered(body));
     request.extensions_mut().insert(IdempotencyClaim::granted(
         lease.clone(),
         (settings.retention, settings.lease),
         Arc::clone(&settings.store_rules),
-        Arc::clone(&request_headers),
+        (Arc::clone(&request_headers), kept),
     ));
     let started = Instant::now();
     let key = lease.record().key();
@@ -464,6 +472,22 @@ async fn answer_superseded<B, E>(engine: &Engine, attempt: &Attempt<'_>, mut rep
         }
     };
     let _ = reply.send(Ok(answer));
+}
+
+/// Claims a key committed without an answer, as a retry would, for the completer: the answer
+/// the recovery hook rebuilt, stored (`Completed`), or why not. A claim acquired (the key
+/// expired meanwhile) is given back at once: nothing runs under it.
+pub(crate) async fn claim_committed(
+    engine: &Engine,
+    claim: &ClaimRequest,
+) -> Result<ClaimOutcome, crate::store::StoreError> {
+    let claimed = admit::claim_once(engine, claim).await;
+    if let Ok(ClaimOutcome::Acquired { fence }) = claimed.outcome {
+        let _ = (engine.settings.store)
+            .release(&claim.lease_with_fence(fence))
+            .await;
+    }
+    claimed.outcome
 }
 
 impl Engine {

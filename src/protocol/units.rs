@@ -91,7 +91,7 @@ where
             lease.clone(),
             (settings.retention, settings.lease),
             Arc::clone(&settings.store_rules),
-            Arc::default(),
+            (Arc::default(), None),
         );
         let started = Instant::now();
         let (stored, completion, delivered) = match work(granted).await {

@@ -13,8 +13,8 @@ use std::{
 use tokio::time::Instant;
 
 use super::{
-    BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
-    Store, StoreError,
+    Abandoned, BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo,
+    RecordKey, Store, StoreError,
 };
 use crate::{fingerprint::Fingerprint, response::StoredResponse};
 
@@ -522,6 +522,18 @@ impl<S: Store> Store for CachedStore<S> {
         retention: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         self.inner.adopt(request, response, retention)
+    }
+
+    fn abandoned<'a>(&'a self, limit: usize) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>> {
+        self.inner.abandoned(limit)
+    }
+
+    fn note_unfinished<'a>(
+        &'a self,
+        record: &'a RecordKey,
+        why: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.inner.note_unfinished(record, why)
     }
 
     fn detached(&self) -> Option<Arc<dyn Store>> {

@@ -564,6 +564,7 @@ impl Entry {
             age: Some(now - self.claimed_at),
             expires_in: self.expires_at - now,
             status,
+            unfinished: None,
         }
     }
 }

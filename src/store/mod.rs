@@ -200,6 +200,36 @@ pub trait Store: Send + Sync + 'static {
         })
     }
 
+    /// Keys whose lease ran out with work recorded (a recovery point in flight, or a fence
+    /// committed without an answer) and still within their retention, longest lapsed first, at
+    /// most `limit`: what the [completer](crate::completer) finishes. Stores that keep no such
+    /// work (the memory store, Redis alone) answer [`StoreError::Unsupported`].
+    fn abandoned<'a>(&'a self, limit: usize) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>> {
+        let _ = limit;
+        Box::pin(async move {
+            Err(StoreError::Unsupported {
+                store: self.kind(),
+                operation: "abandoned",
+            })
+        })
+    }
+
+    /// Notes on `record` why the completer could not finish it, for an operator
+    /// ([`RecordInfo::unfinished`]). Stores that cannot answer [`StoreError::Unsupported`].
+    fn note_unfinished<'a>(
+        &'a self,
+        record: &'a RecordKey,
+        why: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let _ = (record, why);
+        Box::pin(async move {
+            Err(StoreError::Unsupported {
+                store: self.kind(),
+                operation: "note_unfinished",
+            })
+        })
+    }
+
     /// The same store with connections of its own, made on first use, for the calls the layer
     /// makes from a thread of its own (lease renewals): a connection made on the application's
     /// runtime is driven by that runtime, and stalls with it when its handlers block every
@@ -288,6 +318,18 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         (**self).adopt(request, response, retention)
     }
 
+    fn abandoned<'a>(&'a self, limit: usize) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>> {
+        (**self).abandoned(limit)
+    }
+
+    fn note_unfinished<'a>(
+        &'a self,
+        record: &'a RecordKey,
+        why: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        (**self).note_unfinished(record, why)
+    }
+
     fn detached(&self) -> Option<Arc<dyn Store>> {
         (**self).detached()
     }
@@ -317,6 +359,31 @@ pub struct RecordInfo {
     pub expires_in: Duration,
     /// The status of the stored response, once there is one.
     pub status: Option<http::StatusCode>,
+    /// Why the [completer](crate::completer) could not finish the key the last time it tried
+    /// (stores that keep it: Postgres).
+    pub unfinished: Option<String>,
+}
+
+/// A key the application's work on was abandoned: its lease lapsed with work recorded, and
+/// no attempt holds it ([`Store::abandoned`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Abandoned {
+    /// The key and its scope.
+    pub record: RecordKey,
+    /// The fingerprint of the request the key was claimed for.
+    pub fingerprint: Fingerprint,
+    /// [`InFlight`](RecordState::InFlight) with a recovery point, or
+    /// [`Committed`](RecordState::Committed) without an answer.
+    pub state: RecordState,
+    /// The recovery point the last attempt recorded, if any.
+    pub recovery_point: Option<String>,
+    /// The request the key was claimed for, as the layer kept it (see
+    /// [`IdempotencyLayer::with_kept_requests`](crate::IdempotencyLayer::with_kept_requests)),
+    /// if it kept one.
+    pub request: Option<bytes::Bytes>,
+    /// How long ago the last lease ran out.
+    pub lapsed: Duration,
 }
 
 /// Where a key stands in a store.

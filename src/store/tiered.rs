@@ -9,8 +9,8 @@ use std::{
 };
 
 use super::{
-    BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
-    Severity, Store, StoreError,
+    Abandoned, BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo,
+    RecordKey, Severity, Store, StoreError,
 };
 use crate::response::StoredResponse;
 
@@ -337,6 +337,19 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
         limit: usize,
     ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
         self.authority.stuck(older_than, limit)
+    }
+
+    /// The authority's abandoned keys: the truth.
+    fn abandoned<'a>(&'a self, limit: usize) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>> {
+        self.authority.abandoned(limit)
+    }
+
+    fn note_unfinished<'a>(
+        &'a self,
+        record: &'a RecordKey,
+        why: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.authority.note_unfinished(record, why)
     }
 }
 

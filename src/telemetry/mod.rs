@@ -28,6 +28,10 @@
 //! | `idempotency_front_breaker_transitions_total` | counter | `to` (`open`, `closed`) | the tiered store's breaker opening and closing |
 //! | `idempotency_front_breaker_open` | gauge | | 1 while the breaker skips the front |
 //! | `idempotency_swept_rows_total` | counter | | expired Postgres rows the sweeper deleted |
+//! | `idempotency_completer_found_total` | counter | | keys the [completer](crate::completer) found abandoned (a key found again in a later round counts again) |
+//! | `idempotency_completer_finished_total` | counter | | abandoned keys it finished: resumed to an answer, or answered by the recovery hook |
+//! | `idempotency_completer_failed_total` | counter | | abandoned keys it could not finish (the admin listing says why) |
+//! | `idempotency_completer_oldest_abandoned_seconds` | gauge | | how long ago the lease of the oldest key it found ran out, at its last round |
 //! | `idempotency_client_retries_total` | counter | | attempts the client layer made again, with the same key |
 //! | `idempotency_client_retries_denied_total` | counter | | retries the client's budget refused |
 //!
@@ -416,6 +420,20 @@ fn count(name: &'static str) {
     metrics::counter!(name).increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = name;
+}
+
+/// What one round of the completer found and did (`idempotency_completer_*`): keys found
+/// abandoned, finished, failed, and how long ago the oldest one's lease ran out.
+pub(crate) fn completer_round(found: u64, finished: u64, failed: u64, oldest: Duration) {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::counter!("idempotency_completer_found_total").increment(found);
+        metrics::counter!("idempotency_completer_finished_total").increment(finished);
+        metrics::counter!("idempotency_completer_failed_total").increment(failed);
+        metrics::gauge!("idempotency_completer_oldest_abandoned_seconds").set(oldest.as_secs_f64());
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (found, finished, failed, oldest);
 }
 
 /// `n` on a counter without labels.

@@ -202,6 +202,32 @@ pub(crate) fn register_tiered_metrics() {
     }
 }
 
+/// Registers the completer's counters and gauge at zero.
+pub(crate) fn register_completer_metrics() {
+    #[cfg(feature = "metrics")]
+    {
+        use metrics::{Unit, describe_counter, describe_gauge};
+        describe_counter!(
+            "idempotency_completer_found_total",
+            "keys the completer found abandoned"
+        );
+        describe_counter!(
+            "idempotency_completer_finished_total",
+            "abandoned keys the completer finished"
+        );
+        describe_counter!(
+            "idempotency_completer_failed_total",
+            "abandoned keys the completer could not finish"
+        );
+        describe_gauge!(
+            "idempotency_completer_oldest_abandoned_seconds",
+            Unit::Seconds,
+            "how long ago the lease of the oldest abandoned key ran out"
+        );
+        super::completer_round(0, 0, 0, std::time::Duration::ZERO);
+    }
+}
+
 /// Registers the Postgres store's sweeper counter at zero.
 #[cfg(feature = "postgres")]
 pub(crate) fn register_postgres_metrics() {

@@ -175,6 +175,8 @@ async fn kill_between_steps(
     let provider = MockProvider::start(Duration::from_millis(10)).await;
     let lease = Duration::from_millis(1000);
     let mut env = env(&redis, &schema, &provider, 1000, 0);
+    // The retry resumes the payment here, not the completer.
+    env.push(("PAYMENTS_COMPLETER_PERIOD_MS", "0".into()));
     let survivor = Proc::example("payments", &env).await;
     env.push((pause, "30000".into()));
     env.extend(
@@ -293,6 +295,8 @@ pub async fn payments_killed_after_plain_commits_are_never_answered_outcome_unkn
     let provider = MockProvider::start(Duration::from_millis(10)).await;
     let mut env = env(&redis, &schema, &provider, 1000, 0);
     env.push(("PAYMENTS_ANSWER_WITH_FENCE", "false".into()));
+    // The retries ask the recovery hook here, not the completer.
+    env.push(("PAYMENTS_COMPLETER_PERIOD_MS", "0".into()));
     let survivors = fleet(2, &env).await;
     env.push(("PAYMENTS_PAUSE_AFTER_COMMIT_MS", "30000".into()));
     let mut doomed = Proc::example("payments", &env).await;
@@ -343,6 +347,172 @@ pub async fn payments_killed_after_plain_commits_are_never_answered_outcome_unkn
     );
     drop((survivors, doomed));
     schema.drop().await;
+}
+
+/// Payments whose instance is killed (SIGKILL) after the provider charged and before the last
+/// step, and whose clients give up (nobody retries), are finished by the completers of the
+/// three other instances: every payment ends `succeeded` with one charge, about a lease plus a
+/// completer period after the kill, and a later retry gets that payment. Before the completer,
+/// they stayed `pending` for the retention.
+pub async fn payments_killed_after_the_charge_with_nobody_retrying_are_finished_by_the_completer() {
+    let _serial = SERIAL.lock().await;
+    abandoned_then_completed(
+        "PAYMENTS_PAUSE_AFTER_CHARGE_MS",
+        &[],
+        async |schema: &TestSchema, provider: &MockProvider, prefix: &str| {
+            let pending = payment_rows(schema, &format!("{prefix}-%"), "pending").await;
+            let charged = provider
+                .charges()
+                .keys()
+                .filter(|k| k.starts_with(prefix))
+                .count();
+            pending == ABANDONED as i64 && charged == ABANDONED
+        },
+        async |schema: &TestSchema, prefix: &str| {
+            payment_rows(schema, &format!("{prefix}-%"), "succeeded").await == ABANDONED as i64
+        },
+    )
+    .await;
+}
+
+/// Payments whose last step fenced with plain `commit` (no answer stored with it), killed right
+/// after it, nobody retrying: the completers send the kept request through the route, whose
+/// recovery hook rebuilds the answer from the payment row; every key ends completed with it,
+/// and a later retry gets it.
+pub async fn payments_killed_after_a_plain_commit_with_nobody_retrying_are_answered_by_the_completer()
+ {
+    let _serial = SERIAL.lock().await;
+    abandoned_then_completed(
+        "PAYMENTS_PAUSE_AFTER_COMMIT_MS",
+        &[("PAYMENTS_ANSWER_WITH_FENCE", "false")],
+        async |schema: &TestSchema, _: &MockProvider, prefix: &str| {
+            payment_rows(schema, &format!("{prefix}-%"), "succeeded").await == ABANDONED as i64
+        },
+        async |schema: &TestSchema, prefix: &str| {
+            let answered: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM idempotency_keys WHERE key LIKE $1 AND state = 'completed'",
+            )
+            .bind(format!("{prefix}-%"))
+            .fetch_one(&schema.pool)
+            .await
+            .unwrap();
+            answered == ABANDONED as i64
+        },
+    )
+    .await;
+}
+
+/// How many payments [`abandoned_then_completed`] abandons.
+const ABANDONED: usize = 12;
+
+/// Sends [`ABANDONED`] payments to an instance that pauses at `pause`, kills it (SIGKILL) once
+/// `reached` says every payment got there, never retries, and waits for `finished` to say the
+/// completers of three other instances finished them (about a lease and a period after the
+/// kill); then checks a later retry gets each payment, one row and one charge each, and that
+/// the completers' metrics counted them.
+async fn abandoned_then_completed(
+    pause: &'static str,
+    doomed_env: &[(&'static str, &str)],
+    reached: impl AsyncFn(&TestSchema, &MockProvider, &str) -> bool,
+    finished: impl AsyncFn(&TestSchema, &str) -> bool,
+) {
+    let redis = RedisServer::start().await;
+    let schema = TestSchema::new().await;
+    let provider = MockProvider::start(Duration::from_millis(10)).await;
+    let (lease, period) = (Duration::from_millis(1000), Duration::from_millis(500));
+    let mut env = env(&redis, &schema, &provider, 1000, 0);
+    env.push((
+        "PAYMENTS_COMPLETER_PERIOD_MS",
+        period.as_millis().to_string(),
+    ));
+    env.extend(
+        doomed_env
+            .iter()
+            .map(|&(name, value)| (name, value.to_owned())),
+    );
+    let survivors = fleet(3, &env).await;
+    env.push((pause, "30000".into()));
+    let mut doomed = Proc::example("payments", &env).await;
+    let prefix = format!("abandoned-{}", uuid::Uuid::new_v4().simple());
+    let keys: Vec<String> = (0..ABANDONED).map(|k| format!("{prefix}-{k}")).collect();
+    let requests: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let (url, key) = (doomed.url("/payments"), key.clone());
+            tokio::spawn(async move { post_json(&url, &key, PAYMENT).await })
+        })
+        .collect();
+    support::eventually(Duration::from_secs(10), pause, || async {
+        reached(&schema, &provider, &prefix)
+            .await
+            .then_some(())
+            .ok_or("not yet")
+    })
+    .await;
+    doomed.child.kill().unwrap();
+    let killed_at = Instant::now();
+    for request in requests {
+        assert!(
+            request.await.unwrap().is_err(),
+            "the killed instance answered"
+        );
+    }
+
+    // Nobody retries: the completers finish them.
+    support::eventually(
+        Duration::from_secs(20),
+        "finished by the completers",
+        || async {
+            finished(&schema, &prefix)
+                .await
+                .then_some(())
+                .ok_or("not yet")
+        },
+    )
+    .await;
+    let took = killed_at.elapsed();
+    // A later retry gets the payment the completer finished.
+    let (urls, tally) = (urls(&survivors), Tally::default());
+    let mut answers: HashMap<String, Vec<String>> = HashMap::new();
+    for (n, key) in keys.iter().enumerate() {
+        let answer = deliver(&urls, n, key, Duration::from_secs(10), &tally).await;
+        assert!(answer.replayed(), "{key}: not the completer's answer");
+        let id = answer.json()["id"].as_str().unwrap().to_owned();
+        answers.entry(key.clone()).or_default().push(id);
+    }
+    let figures = exactly_once(&schema.pool, &provider, &answers).await;
+    let counted = completers_finished(&survivors).await;
+    assert!(
+        counted >= ABANDONED as f64,
+        "the completers counted {counted} finished"
+    );
+    println!(
+        "killed at {pause}, nobody retrying: all {ABANDONED} finished {took:?} after the kill \
+         (lease {lease:?}, completer period {period:?}); {figures}"
+    );
+    assert!(
+        took < lease + period * 2 + Duration::from_secs(3),
+        "finished {took:?} after the kill"
+    );
+    drop((survivors, doomed));
+    schema.drop().await;
+}
+
+/// `idempotency_completer_finished_total`, summed over `instances`' `/metrics`.
+async fn completers_finished(instances: &[Proc]) -> f64 {
+    let mut finished = 0.0;
+    for instance in instances {
+        let scraped = support::send(http::Method::GET, &instance.url("/metrics"), &[], "")
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&scraped.body).into_owned();
+        finished += text
+            .lines()
+            .find_map(|line| line.strip_prefix("idempotency_completer_finished_total "))
+            .and_then(|value| value.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no completer metrics in:\n{text}"));
+    }
+    finished
 }
 
 /// A provider that hangs for longer than the lease while duplicates arrive: the payment holds

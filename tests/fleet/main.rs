@@ -317,6 +317,8 @@ fn main() -> std::process::ExitCode {
         kills::an_instance_killed_after_the_charge_is_resumed_and_charged_once,
         kills::an_instance_killed_after_a_plain_commit_is_answered_by_the_recovery_hook,
         kills::payments_killed_after_plain_commits_are_never_answered_outcome_unknown,
+        kills::payments_killed_after_the_charge_with_nobody_retrying_are_finished_by_the_completer,
+        kills::payments_killed_after_a_plain_commit_with_nobody_retrying_are_answered_by_the_completer,
     ];
     tests.extend(crate::tests![&[];
         kills::a_hanging_provider_holds_no_lock_and_duplicates_are_told_it_is_in_flight,

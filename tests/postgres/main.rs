@@ -174,6 +174,7 @@ async fn named_pool(schema: &TestSchema, prefix: &str) -> (PgPool, String) {
 mod batches;
 mod fence;
 mod recovery;
+mod completer;
 mod partitioning;
 mod schema;
 mod outages;

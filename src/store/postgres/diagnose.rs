@@ -29,6 +29,10 @@ fn refused(error: &StoreError) -> bool {
 /// An expired row older than this says the sweeper is not running (or not keeping up).
 const SWEEPER_LAG: Duration = Duration::from_secs(3600);
 
+/// How long after its lease ran out an abandoned key is worth a warning: a completer running
+/// every few seconds has finished it long before.
+const COMPLETER_LAG: Duration = Duration::from_secs(600);
+
 impl PostgresStore {
     pub(super) async fn diagnosis(&self) -> Diagnosis {
         let mut diagnosis = Diagnosis::default();
@@ -77,6 +81,8 @@ impl PostgresStore {
         }
         let (severity, message) = self.sweeper().await.unwrap_or_else(could_not);
         diagnosis.push(severity, STORE, "sweeper", message);
+        let (severity, message) = self.abandoned_keys().await.unwrap_or_else(could_not);
+        diagnosis.push(severity, STORE, "completer", message);
         let (severity, message) = self.size().await.unwrap_or_else(could_not);
         diagnosis.push(severity, STORE, "size", message);
         diagnosis.push(Severity::Ok, STORE, "tombstones", self.tombstones());
@@ -314,6 +320,36 @@ impl PostgresStore {
                     "oldest expired row {} min old: is a sweeper running \
                      (PostgresStore::spawn_sweeper)? the table grows without one",
                     age.as_secs() / 60
+                ),
+            ),
+        })
+    }
+
+    /// Keys abandoned with work recorded, as the completer finds them: how many, how long ago
+    /// the oldest lease ran out, and how many the completer noted it could not finish.
+    async fn abandoned_keys(&self) -> Result<(Severity, String), StoreError> {
+        let query = sqlx::query(
+            "SELECT count(*), extract(epoch FROM now() - min(lease_until))::float8,                     count(unfinished)              FROM idempotency_keys              WHERE ((state = 'in_flight' AND recovery_point IS NOT NULL)                     OR (state = 'committed' AND response IS NULL))                AND lease_until <= now() AND expires_at > now()",
+        );
+        let row = self.bounded(query.fetch_one(&self.pool)).await?;
+        let found: i64 = row.try_get(0).map_err(super::backend)?;
+        let oldest: Option<f64> = row.try_get(1).map_err(super::backend)?;
+        let unfinished: i64 = row.try_get(2).map_err(super::backend)?;
+        let oldest = Duration::from_secs_f64(oldest.unwrap_or(0.0).max(0.0));
+        Ok(match found {
+            0 => (Severity::Ok, "no keys abandoned mid-way".into()),
+            _ if oldest < COMPLETER_LAG && unfinished == 0 => (
+                Severity::Ok,
+                format!(
+                    "{found} keys abandoned mid-way, the oldest lease ran out {} s ago: a                      completer finishes them",
+                    oldest.as_secs()
+                ),
+            ),
+            _ => (
+                Severity::Warning,
+                format!(
+                    "{found} keys abandoned mid-way, the oldest lease ran out {} min ago,                      {unfinished} noted unfinished: is a completer running                      (IdempotencyLayer::completer)? the admin listing of stuck keys says why",
+                    oldest.as_secs() / 60
                 ),
             ),
         })

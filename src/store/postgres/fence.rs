@@ -65,11 +65,14 @@ pub(crate) async fn advance(
     connection: &mut PgConnection,
     lease: &Lease,
     times: (Duration, Duration),
-    point: &str,
-    payload: &serde_json::Value,
+    (point, payload, request): (&str, &serde_json::Value, Option<&[u8]>),
 ) -> Result<(), FenceError> {
     let (retention, lease_duration) = times;
     let record = lease.record();
+    let failed = |source| FenceError::Database {
+        record: record.clone(),
+        source,
+    };
     let advanced: bool = sqlx::query_scalar(ADVANCE)
         .bind(record.scope())
         .bind(record.key().as_str())
@@ -80,14 +83,21 @@ pub(crate) async fn advance(
         .bind(millis(lease_duration))
         .fetch_one(&mut *connection)
         .await
-        .map_err(|source| FenceError::Database {
-            record: record.clone(),
-            source,
-        })?;
-    if advanced {
-        return Ok(());
+        .map_err(failed)?;
+    if !advanced {
+        return Err(refused(connection, lease).await);
     }
-    Err(refused(connection, lease).await)
+    if let Some(request) = request {
+        sqlx::query(KEEP_REQUEST)
+            .bind(record.scope())
+            .bind(record.key().as_str())
+            .bind(lease.owner())
+            .bind(request)
+            .execute(&mut *connection)
+            .await
+            .map_err(failed)?;
+    }
+    Ok(())
 }
 
 /// The key's recovery point, if `lease`'s owner holds it. See

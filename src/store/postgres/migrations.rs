@@ -92,6 +92,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "units in batches",
         include_str!("../../../migrations/20261203000000_units_in_batches.sql"),
     ),
+    (
+        20261205000000,
+        "completer",
+        include_str!("../../../migrations/20261205000000_completer.sql"),
+    ),
 ];
 
 /// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 4 ways:

@@ -30,8 +30,8 @@ pub use self::{
     migrations::{DISTRIBUTE_ON_CITUS, MIGRATOR, PARTITION_BY_HASH},
 };
 use super::{
-    BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
-    RecordState, Severity, Store, StoreError,
+    Abandoned, BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo,
+    RecordKey, RecordState, Severity, Store, StoreError,
 };
 use crate::response::StoredResponse;
 
@@ -605,15 +605,79 @@ impl Store for PostgresStore {
             rows.iter().map(read_info).collect()
         })
     }
+
+    fn abandoned<'a>(&'a self, limit: usize) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>> {
+        Box::pin(async move {
+            let rows = self
+                .on_connection(async |connection| {
+                    sqlx::query(ABANDONED)
+                        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                        .fetch_all(connection)
+                        .await
+                })
+                .await?;
+            rows.iter().map(read_abandoned).collect()
+        })
+    }
+
+    fn note_unfinished<'a>(
+        &'a self,
+        record: &'a RecordKey,
+        why: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.on_connection(async |connection| {
+                sqlx::query(NOTE_UNFINISHED)
+                    .bind(record.scope())
+                    .bind(record.key().as_str())
+                    .bind(why)
+                    .execute(connection)
+                    .await
+            })
+            .await?;
+            Ok(())
+        })
+    }
 }
 
-/// An operator's view of a row of [`INSPECT`] or [`STUCK`].
-fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
+/// A row of [`ABANDONED`].
+fn read_abandoned(row: &PgRow) -> Result<Abandoned, StoreError> {
+    let record = read_record(row)?;
+    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(backend)?;
+    let Ok(fingerprint) = <[u8; 32]>::try_from(fingerprint) else {
+        return Err(StoreError::corrupt(
+            STORE,
+            &record,
+            "a fingerprint not of 32 bytes",
+        ));
+    };
+    let state = match row.try_get::<String, _>("state").map_err(backend)?.as_str() {
+        "committed" => RecordState::Committed,
+        _ => RecordState::InFlight,
+    };
+    let request: Option<Vec<u8>> = row.try_get("request").map_err(backend)?;
+    Ok(Abandoned {
+        record,
+        fingerprint: crate::fingerprint::Fingerprint::from_bytes(fingerprint),
+        state,
+        recovery_point: row.try_get("recovery_point").map_err(backend)?,
+        request: request.map(bytes::Bytes::from),
+        lapsed: column_millis(row, "lapsed_ms")?,
+    })
+}
+
+/// The key and scope of a row.
+fn read_record(row: &PgRow) -> Result<RecordKey, StoreError> {
     let scope: String = row.try_get("scope").map_err(backend)?;
     let key: String = row.try_get("key").map_err(backend)?;
     let key =
         crate::IdempotencyKey::try_from(key.as_str()).map_err(|e| StoreError::backend(STORE, e))?;
-    let record = RecordKey::new(scope, key);
+    Ok(RecordKey::new(scope, key))
+}
+
+/// An operator's view of a row of [`INSPECT`] or [`STUCK`].
+fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
+    let record = read_record(row)?;
     let state = match row.try_get::<String, _>("state").map_err(backend)?.as_str() {
         "in_flight" => RecordState::InFlight,
         "committed" => RecordState::Committed,
@@ -636,6 +700,7 @@ fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
         age: Some(millis("age_ms")?),
         expires_in: millis("expires_ms")?,
         status: column_status(row)?,
+        unfinished: row.try_get("unfinished").map_err(backend)?,
         record,
     })
 }

@@ -205,6 +205,7 @@ SET fingerprint = $3, state = 'in_flight', owner = $4, fence = $6,
         WHEN state = 'in_flight' AND fingerprint = $3 THEN recovery_point END,
     recovery_payload = CASE
         WHEN state = 'in_flight' AND fingerprint = $3 THEN recovery_payload END,
+    request = CASE WHEN state = 'in_flight' AND fingerprint = $3 THEN request END,
     status = NULL, response = NULL, suspect = false, created_at = now(), updated_at = now()
 WHERE scope = $1 AND key = $2
 RETURNING fence
@@ -283,7 +284,7 @@ UPDATE idempotency_keys
 SET state = 'completed',
     status = CASE WHEN state = 'committed' AND response IS NOT NULL THEN status ELSE $4 END,
     response = CASE WHEN state = 'committed' AND response IS NOT NULL THEN response ELSE $5 END,
-    lease_until = now(),
+    lease_until = now(), request = NULL,
     expires_at = now() + $6::float8 * interval '1 millisecond', updated_at = now()
 WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
 ";
@@ -315,7 +316,7 @@ target AS (
 done AS (
     UPDATE idempotency_keys k
     SET state = 'completed', status = r.status, response = r.response, lease_until = now(),
-        expires_at = now() + r.retention_ms * interval '1 millisecond', updated_at = now()
+        request = NULL, expires_at = now() + r.retention_ms * interval '1 millisecond', updated_at = now()
     FROM target t JOIN r ON r.n = t.n
     WHERE k.scope = t.scope AND k.key = t.key
     RETURNING t.n
@@ -392,6 +393,32 @@ FROM r
 /// `migrations/20261201000000_recovery_points.sql`).
 pub(super) const ADVANCE: &str = "SELECT idempotency_advance($1, $2, $3, $4, $5::jsonb, $6, $7)";
 
+/// Keeps the request $4 a key in flight was claimed for, for the completer, in the step's
+/// transaction after [`ADVANCE`], once: a row that keeps one already is not written again
+/// (migration `20261205000000`).
+pub(super) const KEEP_REQUEST: &str = r"
+UPDATE idempotency_keys SET request = $4
+WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'in_flight' AND request IS NULL
+";
+
+/// Keys whose lease ran out with work recorded (a recovery point in flight, or a fence
+/// committed without an answer) and not expired, longest lapsed first, at most $1: the
+/// completer's scan, on its partial index.
+pub(super) const ABANDONED: &str = r"
+SELECT scope, key, fingerprint, state, recovery_point, request,
+       ceil(extract(epoch FROM now() - lease_until) * 1000)::int8 AS lapsed_ms
+FROM idempotency_keys
+WHERE ((state = 'in_flight' AND recovery_point IS NOT NULL)
+       OR (state = 'committed' AND response IS NULL))
+  AND lease_until <= now() AND expires_at > now()
+ORDER BY lease_until
+LIMIT $1
+";
+
+/// Notes on a key why the completer could not finish it ($3).
+pub(super) const NOTE_UNFINISHED: &str =
+    "UPDATE idempotency_keys SET unfinished = $3 WHERE scope = $1 AND key = $2";
+
 /// The recovery point of a key `$3` holds: (point, payload as text), no row when it does not.
 pub(super) const RECOVERY: &str = r"
 SELECT recovery_point, recovery_payload::text AS payload FROM idempotency_keys
@@ -406,7 +433,7 @@ pub(super) const RECORD_EXISTS: &str =
 /// rebuilt from its own rows: only once its owner's lease and grace have run out.
 pub(super) const ADOPT: &str = r"
 UPDATE idempotency_keys
-SET state = 'completed', status = $4, response = $5, lease_until = now(),
+SET state = 'completed', status = $4, response = $5, lease_until = now(), request = NULL,
     expires_at = now() + $6::float8 * interval '1 millisecond', updated_at = now()
 WHERE scope = $1 AND key = $2 AND fingerprint = $3 AND state = 'committed'
   AND response IS NULL AND suspect AND lease_until <= now()
@@ -433,7 +460,7 @@ WITH doomed AS (
 ),
 buried AS (
     UPDATE idempotency_keys k
-    SET state = 'tombstone', response = NULL,
+    SET state = 'tombstone', response = NULL, request = NULL,
         expires_at = k.updated_at + $2::float8 * interval '1 millisecond'
     FROM doomed
     WHERE doomed.buried AND k.scope = doomed.scope AND k.key = doomed.key
@@ -459,7 +486,7 @@ SELECT success, result FROM run_command_on_shards('idempotency_keys', format(
          FROM %%1$s WHERE expires_at <= now() ORDER BY expires_at
          LIMIT %1$s FOR UPDATE SKIP LOCKED),
      buried AS (
-         UPDATE %%1$s k SET state = ''tombstone'', response = NULL,
+         UPDATE %%1$s k SET state = ''tombstone'', response = NULL, request = NULL,
                           expires_at = k.updated_at + %2$s * interval ''1 millisecond''
          FROM doomed WHERE doomed.buried AND k.ctid = doomed.ctid RETURNING 1)
      DELETE FROM %%1$s k USING doomed WHERE NOT doomed.buried AND k.ctid = doomed.ctid',
@@ -474,7 +501,7 @@ SELECT scope, key,
        CASE WHEN buried THEN 'tombstone'
             WHEN state = 'committed' AND response IS NOT NULL THEN 'completed' ELSE state END
            AS state,
-       fence, owner, status,
+       fence, owner, status, unfinished,
        ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
        ceil(extract(epoch FROM now() - created_at) * 1000)::int8 AS age_ms,
        ceil(extract(epoch FROM greatest(expires_at,
@@ -498,7 +525,7 @@ pub(super) const STUCK: &str = r"
 SELECT scope, key, state, fence, owner, status,
        ceil(extract(epoch FROM lease_until - now()) * 1000)::int8 AS lease_ms,
        ceil(extract(epoch FROM now() - created_at) * 1000)::int8 AS age_ms,
-       ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms
+       ceil(extract(epoch FROM expires_at - now()) * 1000)::int8 AS expires_ms, unfinished
 FROM idempotency_keys
 WHERE state IN ('in_flight', 'committed') AND response IS NULL AND expires_at > now()
   AND created_at <= now() - $1::float8 * interval '1 millisecond'
@@ -549,6 +576,6 @@ SET fingerprint = $3, state = 'completed', owner = $4, fence = nextval('idempote
     lease_until = clock_timestamp(),
     expires_at = clock_timestamp() + $5::float8 * interval '1 millisecond', status = $6,
     response = $7, suspect = false, recovery_point = NULL, recovery_payload = NULL,
-    created_at = now(), updated_at = now()
+    request = NULL, created_at = now(), updated_at = now()
 WHERE scope = $1 AND key = $2 AND fence = $8
 ";

@@ -146,6 +146,7 @@ fn tombstone_info(
         age: Some(since(u128::from(tombstone.completed), now)),
         expires_in: Duration::from_millis(u64::try_from(pttl).unwrap_or(0)),
         status: Some(tombstone.status),
+        unfinished: None,
     })
 }
 
@@ -173,6 +174,7 @@ fn record_info(
         age: Some(since(u128::from(fence), now)),
         expires_in: left,
         status,
+        unfinished: None,
     })
 }
 
