@@ -287,10 +287,25 @@ where
         {
             return Fate::Failed(format!("the service is not ready: {error}"));
         }
-        match tokio::time::timeout(PATIENCE, service.call(request)).await {
-            Ok(Ok(response)) => fate_of(&response),
-            Ok(Err(error)) => Fate::Failed(format!("the service failed: {error}")),
-            Err(_) => Fate::Busy,
+        let response = match tokio::time::timeout(PATIENCE, service.call(request)).await {
+            Ok(Ok(response)) => response,
+            Ok(Err(error)) => return Fate::Failed(format!("the service failed: {error}")),
+            Err(_) => return Fate::Busy,
+        };
+        let status = response.status();
+        match response.extensions().get::<IdempotencyOutcome>() {
+            // The handler ran: finished if the key is complete now (the completion policy may
+            // have released it, or a fence completed it whatever the status).
+            Some(IdempotencyOutcome::Executed) => {
+                completed(&self.engine, &abandoned.record, status).await
+            }
+            Some(IdempotencyOutcome::Replayed) => Fate::Finished,
+            Some(IdempotencyOutcome::InFlight) => Fate::Busy,
+            Some(outcome) => Fate::Failed(format!("the layer answered {status} ({outcome})")),
+            None => Fate::Failed(format!(
+                "answered {status} without passing through the idempotency layer: give the \
+                 completer the service the layer guards"
+            )),
         }
     }
 }
@@ -318,21 +333,15 @@ async fn answer_committed(engine: &Engine, abandoned: &Abandoned) -> Fate {
     }
 }
 
-/// What the layer's answer to a resumed request says of the key.
-fn fate_of<R>(response: &Response<R>) -> Fate {
-    let status = response.status();
-    match response.extensions().get::<IdempotencyOutcome>() {
-        Some(IdempotencyOutcome::Executed) if !status.is_server_error() => Fate::Finished,
-        Some(IdempotencyOutcome::Replayed) => Fate::Finished,
-        Some(IdempotencyOutcome::InFlight) => Fate::Busy,
-        Some(IdempotencyOutcome::Executed) => Fate::Failed(format!(
-            "the handler answered {status}; resumed again next round"
+/// Whether a key whose handler the completer ran is complete now, as the store says.
+async fn completed(engine: &Engine, record: &RecordKey, status: http::StatusCode) -> Fate {
+    match engine.settings.store.inspect(record).await {
+        Ok(Some(info)) if info.state == RecordState::Completed => Fate::Finished,
+        Ok(info) => Fate::Failed(format!(
+            "the handler answered {status}, and the key is {}: tried again next round",
+            info.map_or("gone", |info| info.state.as_str())
         )),
-        Some(outcome) => Fate::Failed(format!("the layer answered {status} ({outcome})")),
-        None => Fate::Failed(format!(
-            "answered {status} without passing through the idempotency layer: give the \
-             completer the service the layer guards"
-        )),
+        Err(error) => Fate::Failed(format!("the store could not say how it ended: {error}")),
     }
 }
 

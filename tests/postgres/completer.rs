@@ -19,8 +19,9 @@ struct Payments {
     pool: PgPool,
     /// Charges per key, at the provider.
     charges: Arc<std::sync::Mutex<HashMap<String, usize>>>,
-    /// Keys whose first provider call already failed.
-    failed_once: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    /// Provider calls that failed, per key: the first `failures` of each key fail.
+    failed: Arc<std::sync::Mutex<HashMap<String, usize>>>,
+    failures: usize,
     /// A pause before the provider, on resumed attempts.
     pause: Duration,
 }
@@ -37,7 +38,8 @@ impl Payments {
         Self {
             pool: schema.pool.clone(),
             charges: Arc::default(),
-            failed_once: Arc::default(),
+            failed: Arc::default(),
+            failures: 1,
             pause,
         }
     }
@@ -84,7 +86,14 @@ async fn pay(State(app): State<Payments>, claim: IdempotencyClaim, body: Bytes) 
             id
         }
     };
-    if app.failed_once.lock().unwrap().insert(key.clone()) {
+    let failed = *app
+        .failed
+        .lock()
+        .unwrap()
+        .entry(key.clone())
+        .and_modify(|n| *n += 1)
+        .or_insert(1);
+    if failed <= app.failures {
         return (StatusCode::BAD_GATEWAY, "the provider timed out").into_response();
     }
     if resumed.is_some() {
@@ -338,5 +347,42 @@ async fn the_completer_answers_a_key_committed_without_an_answer_with_the_recove
     let body = retry.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body, "pay_rebuilt");
     assert_eq!(asked.load(SeqCst), 1, "stored once, then replayed");
+    schema.drop().await;
+}
+
+/// A resumed handler that fails again (its provider still down) leaves the key unfinished: the
+/// round says so, the key says why, and the next round finishes it, charged once.
+#[tokio::test]
+async fn a_resumed_handler_that_fails_again_is_noted_and_finished_next_round() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone());
+    let mut app = Payments::new(&schema, Duration::ZERO).await;
+    app.failures = 2;
+    let (layer, router) = instance(&store, &app);
+    let given_up = router
+        .clone()
+        .oneshot(payment("k-again", "Bearer d", "{}"))
+        .await
+        .unwrap();
+    assert_eq!(given_up.status(), StatusCode::BAD_GATEWAY);
+
+    let mut completer = layer.completer(router);
+    let round = completer.run_once().await.unwrap();
+    assert_eq!(
+        (round.found, round.finished, round.failed),
+        (1, 0, 1),
+        "{round:?}"
+    );
+    let stuck = store.stuck(Duration::ZERO, 10).await.unwrap();
+    let why = stuck[0].unfinished.as_deref().unwrap_or_default();
+    assert!(why.contains("502") && why.contains("in_flight"), "{why:?}");
+    let round = completer.run_once().await.unwrap();
+    assert_eq!(
+        (round.found, round.finished, round.failed),
+        (1, 1, 0),
+        "{round:?}"
+    );
+    assert_eq!(app.charges()["k-again"], 1);
+    assert_eq!(app.rows("succeeded").await, 1);
     schema.drop().await;
 }
