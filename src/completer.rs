@@ -43,10 +43,14 @@
 //! ```
 //!
 //! It needs a store that keeps such work: Postgres, alone or behind Redis
-//! ([`Store::abandoned`](crate::store::Store::abandoned)). What it could not finish (no request kept, a handler that failed
-//! again, no recovery hook) it notes on the key: the admin listing
-//! ([`Store::stuck`](crate::store::Store::stuck), [`RecordInfo::unfinished`](crate::store::RecordInfo::unfinished)) says
-//! why, and the `idempotency_completer_*` metrics count it (see [`telemetry`](crate::telemetry)).
+//! ([`Store::abandoned`](crate::store::Store::abandoned)). What it could not finish (no request
+//! kept, a handler that failed again, no recovery hook) it notes on the key: the admin listing
+//! ([`Store::stuck`](crate::store::Store::stuck),
+//! [`RecordInfo::unfinished`](crate::store::RecordInfo::unfinished)) says why, and the
+//! `idempotency_completer_*` metrics count it (see [`telemetry`](crate::telemetry)).
+//!
+//! The service takes `http::Request<http_body_util::Full<Bytes>>`, as an axum `Router` or any
+//! service generic over its request body does.
 
 use std::{collections::HashMap, fmt, sync::Arc, task::Context, time::Duration};
 

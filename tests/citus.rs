@@ -27,6 +27,7 @@ use tokio::sync::OnceCell;
 use tower::ServiceExt;
 use tower_idempotency::{
     IdempotencyClaim, IdempotencyLayer,
+    completer::KeptRequests,
     scope::ANONYMOUS_SCOPE,
     store::{
         ClaimOutcome, DISTRIBUTE_ON_CITUS, MIGRATOR, Ownership, PostgresStore, RecordKey,
@@ -95,6 +96,7 @@ fn main() -> std::process::ExitCode {
         citus_fences_grow_per_key_across_releases_reclaims_and_a_moved_shard,
         the_doctor_knows_a_citus_coordinator_and_how_the_table_is_distributed,
         citus_a_business_table_elsewhere_commits_by_two_phase_commit_still_once,
+        citus_the_completer_finishes_a_key_abandoned_after_its_first_step,
     ]);
     support::run(tests)
 }
@@ -149,9 +151,12 @@ async fn citus_routes_every_statement_of_a_requests_path_to_one_shard() {
             StatusCode::CREATED
         }
     };
-    let app = Router::new()
-        .route("/orders", post(handler))
-        .layer(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_millis(300)));
+    let app = Router::new().route("/orders", post(handler)).layer(
+        IdempotencyLayer::new(store.clone())
+            .with_lease(Duration::from_millis(300))
+            // The recovery point keeps the request too: one statement more, routed.
+            .with_kept_requests(KeptRequests::new()),
+    );
     let prefix = uuid::Uuid::new_v4().simple().to_string();
     let send = |key: String, body: &'static str| {
         let app = app.clone();
@@ -465,4 +470,61 @@ async fn citus_a_business_table_elsewhere_commits_by_two_phase_commit_still_once
         per(took[1]),
         per(took[1]) / per(took[0]),
     );
+}
+
+/// The completer on a distributed table: its scan over every shard finds a key abandoned after
+/// its first step (the attempt gave up with 502, its progress kept), and resumes it through the
+/// layer with the kept request; the handler runs its last step once.
+async fn citus_the_completer_finishes_a_key_abandoned_after_its_first_step() {
+    let cluster = cluster().await;
+    let pool = pool(&cluster.url()).await;
+    let store = PostgresStore::new(pool.clone()).on_citus();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (pool, runs) = (pool.clone(), Arc::clone(&runs));
+        move |claim: IdempotencyClaim, _: String| async move {
+            let mut connection = pool.acquire().await.unwrap();
+            let resumed = claim.recovery_point(&mut connection).await.unwrap();
+            drop(connection);
+            if resumed.is_none() {
+                let mut tx = pool.begin().await.unwrap();
+                claim
+                    .advance(&mut tx, "placed", &serde_json::Value::Null)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                return StatusCode::BAD_GATEWAY;
+            }
+            runs.fetch_add(1, SeqCst);
+            StatusCode::CREATED
+        }
+    };
+    let layer = IdempotencyLayer::new(store.clone())
+        .with_lease(Duration::from_millis(300))
+        .with_kept_requests(KeptRequests::new());
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .layer(layer.clone());
+    let key = format!("{}-given-up", uuid::Uuid::new_v4().simple());
+    let request = Request::post("/orders")
+        .header("idempotency-key", key.as_str())
+        .body(Body::from("order"))
+        .unwrap();
+    let given_up = app.clone().oneshot(request).await.unwrap();
+    assert_eq!(given_up.status(), StatusCode::BAD_GATEWAY);
+
+    let mut completer = layer.completer(app);
+    let started = std::time::Instant::now();
+    loop {
+        let round = completer.run_once().await.unwrap();
+        if round.finished > 0 {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "{round:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(runs.load(SeqCst), 1, "the last step ran once");
+    let record = RecordKey::new(ANONYMOUS_SCOPE, key.as_str().try_into().unwrap());
+    let info = store.inspect(&record).await.unwrap().unwrap();
+    assert_eq!(info.state, RecordState::Completed);
 }
