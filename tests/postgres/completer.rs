@@ -386,3 +386,51 @@ async fn a_resumed_handler_that_fails_again_is_noted_and_finished_next_round() {
     assert_eq!(app.rows("succeeded").await, 1);
     schema.drop().await;
 }
+
+/// A recovery hook that panics fails its key only: the same round finishes the other key, the
+/// failed one says why, and the completer goes on to its next round.
+#[tokio::test]
+async fn a_panicking_recovery_hook_fails_its_key_only() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone());
+    let layer = IdempotencyLayer::new(store.clone())
+        .with_lease(Duration::from_millis(100))
+        .with_recovery(|record: RecordKey| async move {
+            assert_ne!(
+                record.key().as_str(),
+                "k-panics",
+                "the hook panics on this key"
+            );
+            Some(http::Response::new(Bytes::from_static(b"rebuilt")))
+        });
+    let router = Router::new()
+        .route("/x", post(|| async { StatusCode::OK }))
+        .layer(layer.clone());
+    committed_then_died(&store, &schema, "k-panics").await;
+    committed_then_died(&store, &schema, "k-answers").await;
+
+    let mut completer = layer.completer(router);
+    let started = Instant::now();
+    let round = loop {
+        let round = completer.run_once().await.unwrap();
+        if round.busy == 0 {
+            break round;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "{round:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        (round.found, round.finished, round.failed),
+        (2, 1, 1),
+        "{round:?}"
+    );
+    let stuck = store.stuck(Duration::ZERO, 10).await.unwrap();
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    assert_eq!(stuck[0].record.key().as_str(), "k-panics");
+    let why = stuck[0].unfinished.as_deref().unwrap_or_default();
+    assert!(why.contains("panic"), "{why:?}");
+    // The next round tries it again.
+    let round = completer.run_once().await.unwrap();
+    assert_eq!((round.found, round.failed), (1, 1), "{round:?}");
+    schema.drop().await;
+}
