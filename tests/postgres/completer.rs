@@ -296,6 +296,10 @@ async fn a_key_without_a_kept_request_is_left_alone_and_said_why() {
         "{line:?}"
     );
     assert!(line.message.contains("1 noted unfinished"), "{line:?}");
+    assert!(
+        !line.message.contains("  "),
+        "a message with a run of spaces: {line:?}"
+    );
     schema.drop().await;
 }
 

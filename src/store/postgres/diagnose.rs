@@ -328,9 +328,7 @@ impl PostgresStore {
     /// Keys abandoned with work recorded, as the completer finds them: how many, how long ago
     /// the oldest lease ran out, and how many the completer noted it could not finish.
     async fn abandoned_keys(&self) -> Result<(Severity, String), StoreError> {
-        let query = sqlx::query(
-            "SELECT count(*), extract(epoch FROM now() - min(lease_until))::float8,                     count(unfinished)              FROM idempotency_keys              WHERE ((state = 'in_flight' AND recovery_point IS NOT NULL)                     OR (state = 'committed' AND response IS NULL))                AND lease_until <= now() AND expires_at > now()",
-        );
+        let query = sqlx::query(super::sql::ABANDONED_SUMMARY);
         let row = self.bounded(query.fetch_one(&self.pool)).await?;
         let found: i64 = row.try_get(0).map_err(super::backend)?;
         let oldest: Option<f64> = row.try_get(1).map_err(super::backend)?;
@@ -341,14 +339,17 @@ impl PostgresStore {
             _ if oldest < COMPLETER_LAG && unfinished == 0 => (
                 Severity::Ok,
                 format!(
-                    "{found} keys abandoned mid-way, the oldest lease ran out {} s ago: a                      completer finishes them",
+                    "{found} keys abandoned mid-way, the oldest lease ran out {} s ago: a \
+                     completer finishes them",
                     oldest.as_secs()
                 ),
             ),
             _ => (
                 Severity::Warning,
                 format!(
-                    "{found} keys abandoned mid-way, the oldest lease ran out {} min ago,                      {unfinished} noted unfinished: is a completer running                      (IdempotencyLayer::completer)? the admin listing of stuck keys says why",
+                    "{found} keys abandoned mid-way, the oldest lease ran out {} min ago, \
+                     {unfinished} noted unfinished: is a completer running \
+                     (IdempotencyLayer::completer)? the admin listing of stuck keys says why",
                     oldest.as_secs() / 60
                 ),
             ),

@@ -53,6 +53,17 @@ macro_rules! claim_verdict {
     };
 }
 
+/// The rows the completer finishes (migration `20261205000000`, whose partial index holds
+/// them): a recovery point in flight, or a fence committed without an answer, the lease run
+/// out, within the retention.
+macro_rules! abandoned {
+    () => {
+        "((state = 'in_flight' AND recovery_point IS NOT NULL)
+       OR (state = 'committed' AND response IS NULL))
+  AND lease_until <= now() AND expires_at > now()"
+    };
+}
+
 /// Whether a row is a tombstone, `$h` the store's horizon in ms (`PostgresStore::with_tombstones`):
 /// one the sweeper buried (its answer dropped, kept until the horizon after its completion), or
 /// a completed one past its retention that the sweeper has not reached yet, within the horizon
@@ -404,16 +415,28 @@ WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'in_flight' AND request
 /// Keys whose lease ran out with work recorded (a recovery point in flight, or a fence
 /// committed without an answer) and not expired, longest lapsed first, at most $1: the
 /// completer's scan, on its partial index.
-pub(super) const ABANDONED: &str = r"
+pub(super) const ABANDONED: &str = concat!(
+    r"
 SELECT scope, key, fingerprint, state, recovery_point, request,
        ceil(extract(epoch FROM now() - lease_until) * 1000)::int8 AS lapsed_ms
 FROM idempotency_keys
-WHERE ((state = 'in_flight' AND recovery_point IS NOT NULL)
-       OR (state = 'committed' AND response IS NULL))
-  AND lease_until <= now() AND expires_at > now()
+WHERE ",
+    abandoned!(),
+    r"
 ORDER BY lease_until
 LIMIT $1
-";
+"
+);
+
+/// The doctor's view of [`ABANDONED`]'s rows: how many, how long ago the oldest lease ran out
+/// (seconds), and how many the completer noted it could not finish.
+pub(super) const ABANDONED_SUMMARY: &str = concat!(
+    r"
+SELECT count(*), extract(epoch FROM now() - min(lease_until))::float8, count(unfinished)
+FROM idempotency_keys
+WHERE ",
+    abandoned!()
+);
 
 /// Notes on a key why the completer could not finish it ($3).
 pub(super) const NOTE_UNFINISHED: &str =
