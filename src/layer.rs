@@ -420,10 +420,19 @@ impl IdempotencyLayer {
     /// kept requests carry no credentials), and answers keys committed without an answer
     /// with this layer's recovery hook. Run it with [`Completer::spawn`] on every instance.
     pub fn completer<S>(&self, service: S) -> Completer<S> {
+        Completer::new(self.engine(), service)
+    }
+
+    /// The engine of a service (or a completer) this layer builds: its settings, its counters,
+    /// the state every one of them shares.
+    fn engine(&self) -> Arc<Engine> {
         let (counters, store) = (Arc::clone(&self.counters), self.settings.store.kind());
         let telemetry = Telemetry::new(counters, store, Family::Requests);
-        let engine = Engine::new(self.settings.clone(), telemetry, Arc::clone(&self.state));
-        Completer::new(Arc::new(engine), service)
+        Arc::new(Engine::new(
+            self.settings.clone(),
+            telemetry,
+            Arc::clone(&self.state),
+        ))
     }
 }
 
@@ -503,10 +512,7 @@ impl<S> Layer<S> for IdempotencyLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         crate::telemetry::register_layer_metrics(self.settings.store.kind());
-        let (counters, store) = (Arc::clone(&self.counters), self.settings.store.kind());
-        let telemetry = Telemetry::new(counters, store, Family::Requests);
-        let engine = Engine::new(self.settings.clone(), telemetry, Arc::clone(&self.state));
-        Idempotency::new(inner, Arc::new(engine))
+        Idempotency::new(inner, self.engine())
     }
 }
 
