@@ -89,7 +89,12 @@ fn main() -> std::process::ExitCode {
         "citus",
         needs,
         tower_idempotency::conformance::cases(),
-        || async { PostgresStore::new(pool(&cluster().await.url()).await).on_citus() },
+        // One machine, one clock: no skew to allow for, and keys expire when the cases expect.
+        || async {
+            PostgresStore::new(pool(&cluster().await.url()).await)
+                .on_citus()
+                .with_clock_skew(Duration::ZERO)
+        },
     );
     tests.extend(crate::tests![needs;
         citus_routes_every_statement_of_a_requests_path_to_one_shard,
@@ -97,12 +102,15 @@ fn main() -> std::process::ExitCode {
         the_doctor_knows_a_citus_coordinator_and_how_the_table_is_distributed,
         citus_a_business_table_elsewhere_commits_by_two_phase_commit_still_once,
         citus_the_completer_finishes_a_key_abandoned_after_its_first_step,
+        citus_worker_hash_is_postgres_hashtext,
+        citus_keys_on_live_workers_are_served_while_the_coordinator_is_down,
+        citus_a_key_expires_only_once_past_the_clock_skew,
     ]);
     support::run(tests)
 }
 
 /// A request's whole path through the layer (a fresh key with a recovery point, renewals and
-/// the fence in the handler's transaction on a co-located table, a replay, a duplicate in
+/// the fence in the handler's transaction on a co-located table, on the key's worker, a replay, a duplicate in
 /// flight, a different request, a release, an expired key taken over) and the operator's
 /// commands for one key, on sessions where any multi-shard statement is an error: each of them
 /// is routed to one shard. The check itself is shown to bite: a statement over every shard
@@ -117,16 +125,20 @@ async fn citus_routes_every_statement_of_a_requests_path_to_one_shard() {
         .await;
     assert!(across.is_err(), "a multi-shard statement was allowed");
 
-    let store = PostgresStore::new(routed.clone()).on_citus();
+    // One machine, one clock: the sweep below need not wait out a skew.
+    let store = PostgresStore::new(routed.clone())
+        .on_citus()
+        .with_clock_skew(Duration::ZERO);
     let runs = Arc::new(AtomicUsize::new(0));
     let handler = {
-        let (pool, runs) = (routed.clone(), Arc::clone(&runs));
+        let (store, runs) = (store.clone(), Arc::clone(&runs));
         move |claim: IdempotencyClaim, body: String| async move {
             runs.fetch_add(1, SeqCst);
             let key = claim.key().as_str().to_owned();
             if body == "fail" {
                 return StatusCode::INTERNAL_SERVER_ERROR;
             }
+            let pool = store.pool_for(&claim);
             let mut tx = pool.begin().await.unwrap();
             sqlx::query("INSERT INTO orders (key, step) VALUES ($1, 'placed')")
                 .bind(&key)
@@ -254,16 +266,18 @@ async fn citus_routes_every_statement_of_a_requests_path_to_one_shard() {
     assert_eq!(runs.load(SeqCst), 4, "placed, failed twice, taken over");
 }
 
-/// Fences come from the coordinator's sequence: a key claimed and released, claimed again once
-/// its shard moved to the other worker, then abandoned, moved back and taken over once its lease
-/// ended, never sees a fence smaller than one it had; keys on either worker meanwhile neither.
+/// Fences are drawn per key, from the clock of the worker that runs the claim, and grow on every
+/// take-over: a key claimed and released (its row kept, its lease ended), claimed again once its
+/// shard moved to the other worker (the store's map stale: the statement forwarded), then
+/// abandoned, moved back and taken over once its lease ended, never sees a fence smaller than
+/// one it had; keys on either worker meanwhile neither.
 async fn citus_fences_grow_per_key_across_releases_reclaims_and_a_moved_shard() {
     let cluster = CitusCluster::start(2).await;
     distribute(&cluster.url()).await;
     let store = PostgresStore::new(pool(&cluster.url()).await).on_citus();
     let lease = Duration::from_millis(100);
     let mut fences = Vec::new();
-    // Claimed, and released by its owner: the row goes.
+    // Claimed, and released by its owner: the row stays, its lease ended.
     let held = acquire(&store, &claim_request("moving", lease)).await;
     fences.push(held.fence());
     assert_eq!(store.release(&held).await.unwrap(), Ownership::Held);
@@ -328,6 +342,18 @@ async fn the_doctor_knows_a_citus_coordinator_and_how_the_table_is_distributed()
         message.starts_with("distributed by key in 32 shards"),
         "{message}"
     );
+    // One machine, one clock: within the bound; and past a bound no clock can keep.
+    let clocks = async |store: &PostgresStore| {
+        let diagnosis = store.diagnose().await;
+        let finding = diagnosis.of("clocks").next().expect("a clocks finding");
+        (finding.severity, finding.message.clone())
+    };
+    let (severity, message) = clocks(&citus).await;
+    assert_eq!(severity, Severity::Ok, "{message}");
+    let strict = citus.clone().with_clock_skew(Duration::ZERO);
+    let (severity, message) = clocks(&strict).await;
+    assert_eq!(severity, Severity::Risk, "{message}");
+    assert!(message.contains("with_clock_skew"), "{message}");
 
     // A later migration that replaces the fence function with the one-Postgres form.
     let plpgsql = MIGRATOR.iter().find(|m| m.version == 20261202000000);
@@ -447,28 +473,47 @@ async fn citus_a_business_table_elsewhere_commits_by_two_phase_commit_still_once
         .unwrap();
     assert_eq!(rows, 1, "one ledger row for the key");
 
-    // What a fenced commit costs, co-located or not, alternating.
-    let mut took = [Duration::ZERO; 2];
+    // What a fenced commit costs, co-located or not, alternating; and co-located on the key's
+    // worker (`pool_for`), where it commits with no coordinator.
+    let mut took = [Duration::ZERO; 3];
     let commits = 100;
     for n in 0..commits {
-        for (i, table) in ["orders", "ledger"].into_iter().enumerate() {
+        for (i, table) in ["orders", "ledger", "worker"].into_iter().enumerate() {
             let claim = fenced(&request(&format!("{table}-{n}"))).await;
-            let id = match table {
-                "ledger" => Some(elsewhere(claim.key().as_str()).await),
-                _ => None,
-            };
             let started = std::time::Instant::now();
-            write(&claim, id.as_deref()).await.unwrap();
+            match table {
+                "ledger" => {
+                    let id = elsewhere(claim.key().as_str()).await;
+                    let started = std::time::Instant::now();
+                    write(&claim, Some(&id)).await.unwrap();
+                    took[i] += started.elapsed();
+                    continue;
+                }
+                "worker" => {
+                    let mut tx = store.pool_for(&claim).begin().await.unwrap();
+                    sqlx::query("INSERT INTO orders (key, step) VALUES ($1, 'paid')")
+                        .bind(claim.key().as_str())
+                        .execute(&mut *tx)
+                        .await
+                        .unwrap();
+                    claim.commit(&mut tx).await.unwrap();
+                    tx.commit().await.unwrap();
+                }
+                _ => write(&claim, None).await.unwrap(),
+            }
             took[i] += started.elapsed();
         }
     }
     let per = |d: Duration| d.as_secs_f64() * 1e6 / f64::from(commits);
     println!(
         "citus: a fenced commit with the business row co-located {:.0} µs, on another worker \
-         (two-phase commit) {:.0} µs: {:.2}x, {commits} of each, alternating",
+         (two-phase commit) {:.0} µs: {:.2}x; co-located on the key's worker (pool_for) {:.0} \
+         µs: {:.2}x; {commits} of each, alternating",
         per(took[0]),
         per(took[1]),
         per(took[1]) / per(took[0]),
+        per(took[2]),
+        per(took[2]) / per(took[0]),
     );
 }
 
@@ -527,4 +572,142 @@ async fn citus_the_completer_finishes_a_key_abandoned_after_its_first_step() {
     let record = RecordKey::new(ANONYMOUS_SCOPE, key.as_str().try_into().unwrap());
     let info = store.inspect(&record).await.unwrap().unwrap();
     assert_eq!(info.state, RecordState::Completed);
+}
+
+/// Citus hashes a text distribution value with PostgreSQL's `hashtext`, which the store ports
+/// (checked against the server's own on 10,000 keys by the crate's unit tests): the same on
+/// 10,000 keys here, empty, ASCII and multi-byte UTF-8, short and long.
+async fn citus_worker_hash_is_postgres_hashtext() {
+    let cluster = cluster().await;
+    let admin = pool(&cluster.url()).await;
+    let differing: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (
+             SELECT repeat(md5(i::text) || 'é€🦀', i % 9) || left(i::text, i % 4) AS k
+             FROM generate_series(0, 9999) i) keys
+         WHERE worker_hash(k) <> hashtext(k)",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(differing, 0);
+}
+
+/// The coordinator leaves the request path: once the store has read the shard map, requests
+/// for keys on live workers go on while the coordinator is stopped. Fresh keys run once each
+/// (counted in a co-located business table, written with the fence in one transaction on the
+/// key's worker, `pool_for`), their retries replay; the sweeper, which reads every shard
+/// through the coordinator, fails until it is back.
+async fn citus_keys_on_live_workers_are_served_while_the_coordinator_is_down() {
+    let mut cluster = CitusCluster::start(2).await;
+    distribute(&cluster.url()).await;
+    let admin = pool(&cluster.url()).await;
+    business_tables(&admin).await;
+    let store = PostgresStore::new(admin.clone()).on_citus();
+    let handler = {
+        let store = store.clone();
+        move |claim: IdempotencyClaim, _: String| async move {
+            let mut tx = store.pool_for(&claim).begin().await.unwrap();
+            sqlx::query("INSERT INTO orders (key, step) VALUES ($1, 'paid')")
+                .bind(claim.key().as_str())
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            claim.commit(&mut tx).await.unwrap();
+            tx.commit().await.unwrap();
+            StatusCode::CREATED
+        }
+    };
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .layer(IdempotencyLayer::new(store.clone()));
+    let send = |key: String| {
+        let app = app.clone();
+        async move {
+            let request = Request::post("/orders")
+                .header("idempotency-key", key)
+                .body(Body::from("order"))
+                .unwrap();
+            app.oneshot(request).await.unwrap()
+        }
+    };
+    let prefix = uuid::Uuid::new_v4().simple().to_string();
+    // A first request reads the map (in the background): the next ones follow it.
+    assert_eq!(
+        send(format!("{prefix}-first")).await.status(),
+        StatusCode::CREATED
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    cluster.coordinator.stop_server();
+    let keys: Vec<String> = (0..100).map(|n| format!("{prefix}-{n}")).collect();
+    for round in ["fresh", "replayed"] {
+        let answers = futures_util::future::join_all(keys.iter().cloned().map(send)).await;
+        for (key, answer) in keys.iter().zip(answers) {
+            assert_eq!(answer.status(), StatusCode::CREATED, "{round} {key}");
+            let replayed = answer.headers().get("idempotent-replayed").is_some();
+            assert_eq!(replayed, round == "replayed", "{round} {key}");
+        }
+    }
+    assert!(
+        store.sweep().await.is_err(),
+        "the sweeper needs the coordinator"
+    );
+    cluster.coordinator.start_server().await;
+
+    // Counted at the destination: one order per key.
+    let admin = pool(&cluster.url()).await;
+    let (rows, distinct): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT key) FROM orders WHERE key LIKE $1 || '-%'",
+    )
+    .bind(&prefix)
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!((rows, distinct), (101, 101), "one order per key");
+    store.sweep().await.unwrap();
+}
+
+/// Each node reads its own clock, so a key is taken as expired only once its expiry is past by
+/// more than the skew the store allows for (`with_clock_skew`): a completed key whose retention
+/// just ended still refuses another request and stays through a sweep, and is free once the
+/// bound has passed too.
+async fn citus_a_key_expires_only_once_past_the_clock_skew() {
+    let cluster = cluster().await;
+    // Long enough for the checks within it to run on a busy machine.
+    let skew = Duration::from_secs(2);
+    let store = PostgresStore::new(pool(&cluster.url()).await)
+        .on_citus()
+        .with_clock_skew(skew);
+    let key = format!("{}-skew", uuid::Uuid::new_v4().simple());
+    let retention = Duration::from_millis(100);
+    let claim = tower_idempotency::conformance::claim_request("t", &key, "first", retention);
+    let lease = acquire(&store, &claim).await;
+    let answer = tower_idempotency::store::StoredResponse::new(
+        StatusCode::CREATED,
+        axum::http::HeaderMap::new(),
+        Some(axum::body::Bytes::from_static(b"done")),
+        None,
+    );
+    let completed = store.complete(&lease, &answer, retention).await.unwrap();
+    assert_eq!(completed, Ownership::Held);
+    tokio::time::sleep(retention * 3).await;
+    let other = tower_idempotency::conformance::claim_request("t", &key, "second", retention);
+    let within = store.claim(&other).await.unwrap();
+    assert!(
+        matches!(within, ClaimOutcome::Mismatch),
+        "past its retention, within the skew: {within:?}"
+    );
+    store.sweep().await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE key = $1")
+        .bind(&key)
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 1, "swept within the skew");
+    tokio::time::sleep(skew).await;
+    let past = store.claim(&other).await.unwrap();
+    assert!(
+        matches!(past, ClaimOutcome::Acquired { .. }),
+        "past the skew too: {past:?}"
+    );
 }

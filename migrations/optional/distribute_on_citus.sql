@@ -17,12 +17,15 @@
 -- same value, co-located (`colocate_with => 'idempotency_keys'`), for `claim.commit` to be a
 -- single-shard transaction.
 --
--- The fence sequence stays on the coordinator: every claim's fence is drawn there, so fences
--- grow per key across workers, releases and shards moved between workers. Connect the store and
--- the handlers to the coordinator.
+-- Connect the store's pool to the coordinator: the store reads the shard map from it and sends
+-- each key's statements straight to the worker that holds its shard; take the handlers'
+-- transactions from `PostgresStore::pool_for(&claim)`, on that worker too. Fences are drawn per
+-- key from the clock of the node that runs the claim (the `idempotency_fence` sequence lives on
+-- the coordinator only, and is not used on Citus): see `PostgresStore::on_citus` for what that
+-- asks of the nodes' clocks.
 
--- The fence and a recovery point as Citus runs them: on the coordinator, in the handler's
--- transaction, their UPDATE routed to the key's shard. Planned on each call with the values in
+-- The fence and a recovery point as Citus runs them: in the handler's transaction, on the key's
+-- worker (or through the coordinator), their UPDATE routed to the key's shard. Planned on each call with the values in
 -- (Citus cannot route a generic plan's parameters here), and the clock read into variables
 -- first (Citus refuses a volatile function in an UPDATE of a distributed table). Same
 -- signatures and effect as 20261202000000_fence_in_plpgsql.sql.

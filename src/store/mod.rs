@@ -73,9 +73,9 @@ pub use diagnosis::{Diagnosis, Finding, NotReady, Severity};
 pub use memory::{DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MAX_ENTRIES, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    DEFAULT_POSTGRES_BATCH, DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_TIMEOUT,
-    DEFAULT_SWEEP_BATCH, DISTRIBUTE_ON_CITUS, FenceError, MIGRATOR, PARTITION_BY_HASH,
-    PostgresStore, RecoveryPoint,
+    DEFAULT_CLOCK_SKEW, DEFAULT_POSTGRES_BATCH, DEFAULT_POSTGRES_CONNECTIONS,
+    DEFAULT_POSTGRES_TIMEOUT, DEFAULT_SWEEP_BATCH, DISTRIBUTE_ON_CITUS, FenceError, MIGRATOR,
+    PARTITION_BY_HASH, PostgresStore, RecoveryPoint,
 };
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::{advance, commit, recovery_point, unit};

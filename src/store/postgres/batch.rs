@@ -26,7 +26,7 @@ use sqlx::{Row, postgres::PgRow};
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
-use super::{PostgresStore, STORE, backend, held_if_one, sql::*};
+use super::{PostgresStore, STORE, backend, connections::Plans, held_if_one, sql::*};
 use crate::store::{BoxFuture, Ownership, StoreError};
 
 /// An owner-checked write of one key (a completion, a release, a renewal) waiting for a lane,
@@ -245,13 +245,17 @@ impl PostgresStore {
     /// reads of it; `None` for a write that has no row.
     async fn rows<'q>(
         &self,
+        key: Option<(&str, &str)>,
         query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
         writes: usize,
         verdict: impl Fn(&PgRow) -> Result<Option<Ownership>, sqlx::Error>,
     ) -> Result<Vec<Option<Ownership>>, StoreError> {
-        let rows = self
-            .on_connection(async |connection| query.fetch_all(connection).await)
-            .await?;
+        let statement =
+            async |connection: &mut sqlx::PgConnection| query.fetch_all(connection).await;
+        let rows = match key {
+            Some(key) => self.on_key(key, statement).await?,
+            None => self.on_connection(statement).await?,
+        };
         let mut answers = vec![Some(Ownership::Lost); writes];
         for row in rows {
             let n: i64 = row.try_get("n").map_err(backend)?;
@@ -270,8 +274,9 @@ impl Write for Completion {
 
     fn one<'a>(&'a self, store: &'a PostgresStore) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
+            let key = (self.scope.as_str(), self.key.as_str());
             let updated = store
-                .on_connection(async |connection| {
+                .on_key_planned(key, Plans::Generic, async |connection| {
                     sqlx::query(COMPLETE)
                         .bind(&self.scope)
                         .bind(&self.key)
@@ -299,7 +304,7 @@ impl Write for Completion {
             .bind(column(&calls, |c| c.status))
             .bind(column(&calls, |c| &c.response[..]))
             .bind(column(&calls, |c| c.retention_ms));
-        Box::pin(store.rows(query, batch.len(), |row| {
+        Box::pin(store.rows(None, query, batch.len(), |row| {
             Ok(match (row.try_get("completed")?, row.try_get("owned")?) {
                 (true, _) => Some(Ownership::Held),
                 (false, true) => None,
@@ -312,20 +317,39 @@ impl Write for Completion {
 impl Write for Release {
     const KIND: &'static str = "releases";
 
+    /// [`RELEASE`]; on Citus, [`END_LEASE`] (the row stays, for the next claim's fence to grow
+    /// from), then [`COMMITTED`] when it found no row of this owner in flight.
     fn one<'a>(&'a self, store: &'a PostgresStore) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
-            let row = store
-                .on_connection(async |connection| {
-                    sqlx::query(RELEASE)
+            let key = (self.scope.as_str(), self.key.as_str());
+            let (released, committed): (bool, bool) = store
+                .on_key(key, async |connection| {
+                    if !store.distributed {
+                        return sqlx::query_as(RELEASE)
+                            .bind(&self.scope)
+                            .bind(&self.key)
+                            .bind(self.owner)
+                            .fetch_one(connection)
+                            .await;
+                    }
+                    let ended = sqlx::query(END_LEASE)
+                        .bind(&self.scope)
+                        .bind(&self.key)
+                        .bind(self.owner)
+                        .execute(&mut *connection)
+                        .await?;
+                    if ended.rows_affected() == 1 {
+                        return Ok((true, false));
+                    }
+                    let committed = sqlx::query_scalar(COMMITTED)
                         .bind(&self.scope)
                         .bind(&self.key)
                         .bind(self.owner)
                         .fetch_one(connection)
-                        .await
+                        .await?;
+                    Ok((false, committed))
                 })
                 .await?;
-            let released: bool = row.try_get("released").map_err(backend)?;
-            let committed: bool = row.try_get("committed").map_err(backend)?;
             Ok(match (released, committed) {
                 (true, _) => Ownership::Held,
                 (false, true) => Ownership::Committed,
@@ -343,7 +367,7 @@ impl Write for Release {
             .bind(column(&calls, |c| c.scope.as_str()))
             .bind(column(&calls, |c| c.key.as_str()))
             .bind(column(&calls, |c| c.owner));
-        Box::pin(store.rows(query, batch.len(), |row| {
+        Box::pin(store.rows(None, query, batch.len(), |row| {
             let flags = (
                 row.try_get("released")?,
                 row.try_get("committed")?,
@@ -370,7 +394,10 @@ impl Write for Renewal {
                 .bind(&self.key)
                 .bind(self.owner)
                 .bind(self.lease_ms);
-            let answer = store.rows(query, 1, renewal_verdict).await?.pop();
+            let answer = store
+                .rows(Some((&self.scope, &self.key)), query, 1, renewal_verdict)
+                .await?
+                .pop();
             Ok(answer.flatten().unwrap_or(Ownership::Lost))
         })
     }
@@ -380,7 +407,7 @@ impl Write for Renewal {
         batch: &'a [Queued<Self>],
     ) -> BoxFuture<'a, Result<Vec<Option<Ownership>>, StoreError>> {
         let query = renew_many(&calls(batch));
-        Box::pin(store.rows(query, batch.len(), renewal_verdict))
+        Box::pin(store.rows(None, query, batch.len(), renewal_verdict))
     }
 }
 

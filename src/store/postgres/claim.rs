@@ -9,7 +9,10 @@ use sqlx::{Connection, PgConnection, Row, postgres::PgRow};
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
-use super::{LOCKED_RETRY, PostgresStore, STORE, backend, batch::SendBatch, millis, sql::*};
+use super::{
+    LOCKED_RETRY, PostgresStore, STORE, backend, batch::SendBatch, connections::Plans, millis,
+    sql::*,
+};
 use crate::{
     response::StoredResponse,
     store::{BoxError, ClaimOutcome, ClaimRequest, RecordKey, StoreError},
@@ -105,7 +108,14 @@ impl PostgresStore {
         &self,
         batch: &[Queued],
     ) -> Result<Vec<Result<Claimed, StoreError>>, StoreError> {
-        let mut connection = self.connections.lend().await.map_err(backend)?;
+        // On Citus a batch is one claim, sent to its key's worker.
+        let record = &batch[0].record;
+        let key = (record.scope(), record.key().as_str());
+        let connections = self.connections_for(key, Plans::Generic);
+        let mut connection = connections
+            .lend()
+            .await
+            .map_err(|e| self.failed_on_route(e))?;
         // What is left of each caller's time once a connection is in hand, less a margin for
         // the message's way to the server: the server inserts only within it.
         let left: Vec<Option<Duration>> = batch
@@ -122,7 +132,7 @@ impl PostgresStore {
             return Ok(answers);
         }
         let rows = if self.distributed {
-            claim_each(&mut connection, &sent, self.horizon).await
+            claim_each(&mut connection, &sent, (self.horizon, self.skew())).await
         } else {
             claim_many(&sent, self.horizon)
                 .fetch_all(&mut *connection)
@@ -136,7 +146,7 @@ impl PostgresStore {
             // The connection was gone: another round, on a fresh one.
             return Ok(answers);
         }
-        let rows = rows.map_err(|e| self.failed(e))?;
+        let rows = rows.map_err(|e| self.failed_on_route(e))?;
         for row in rows {
             let n: i64 = row.try_get("n").map_err(backend)?;
             let (i, queued, _) = usize::try_from(n - 1)
@@ -159,12 +169,23 @@ impl PostgresStore {
         &self,
         request: &ClaimRequest,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
-        let mut connection = self.connections.lend().await.map_err(backend)?;
-        let settled = settle(&mut connection, request).await;
+        let record = request.record();
+        let key = (record.scope(), record.key().as_str());
+        let connections = self.connections_for(key, Plans::Custom);
+        let mut connection = connections
+            .lend()
+            .await
+            .map_err(|e| self.failed_on_route(e))?;
+        let fence = if self.distributed {
+            CLOCK_FENCE
+        } else {
+            NEXT_FENCE
+        };
+        let settled = settle(&mut connection, request, (fence, self.skew())).await;
         if connection.give_back(&settled) {
             return Ok(None);
         }
-        settled.map_err(|e| self.failed(e))
+        settled.map_err(|e| self.failed_on_route(e))
     }
 }
 
@@ -196,12 +217,12 @@ fn claim_many<'q>(
 /// The claims `sent` one by one, as statements routed to each key's shard (a distributed
 /// table, see [`PostgresStore::on_citus`]): [`CLAIM_INSERT`], then [`CLAIM_READ`] when there was
 /// a row. The rows [`CLAIM_MANY`] would have answered. Without the caller's time on the server:
-/// Citus evaluates `clock_timestamp()` on the coordinator, before the statement reaches the
-/// worker, so it could not bound a wait there.
+/// Citus evaluates `clock_timestamp()` where it plans the statement, before it reaches the
+/// shard, so it could not bound a wait there.
 async fn claim_each(
     connection: &mut PgConnection,
     sent: &[(usize, &Queued, Duration)],
-    horizon: Duration,
+    (horizon, skew): (Duration, Duration),
 ) -> Result<Vec<PgRow>, sqlx::Error> {
     let mut rows = Vec::with_capacity(sent.len());
     for (n, (_, queued, _)) in (1_i64..).zip(sent) {
@@ -225,6 +246,7 @@ async fn claim_each(
                     .bind(queued.owner)
                     .bind(n)
                     .bind(millis(horizon))
+                    .bind(millis(skew))
                     .fetch_optional(&mut *connection)
                     .await?
             }
@@ -292,29 +314,34 @@ pub(super) fn column_millis(row: &PgRow, column: &str) -> Result<Duration, Store
 async fn settle(
     connection: &mut PgConnection,
     request: &ClaimRequest,
+    clocks: (&'static str, Duration),
 ) -> Result<Option<ClaimOutcome>, sqlx::Error> {
     let mut tx = connection.begin().await?;
-    let outcome = settle_in(&mut tx, request).await?;
+    let outcome = settle_in(&mut tx, request, clocks).await?;
     tx.commit().await?;
     Ok(outcome)
 }
 
-/// The statements of [`settle`], in its transaction.
+/// The statements of [`settle`], in its transaction: `fence` draws the next fence
+/// ([`NEXT_FENCE`], or [`CLOCK_FENCE`] on Citus), `skew` is the clock skew allowed for.
 async fn settle_in(
     tx: &mut PgConnection,
     request: &ClaimRequest,
+    (fence, skew): (&'static str, Duration),
 ) -> Result<Option<ClaimOutcome>, sqlx::Error> {
     let record = request.record();
     let locked = sqlx::query(LOCK)
         .bind(record.scope())
         .bind(record.key().as_str())
         .bind(&request.fingerprint().as_bytes()[..])
+        .bind(millis(skew))
         .fetch_optional(&mut *tx)
         .await?;
     let Some(row) = locked else {
         let unsettled: bool = sqlx::query_scalar(UNSETTLED)
             .bind(record.scope())
             .bind(record.key().as_str())
+            .bind(millis(skew))
             .fetch_one(&mut *tx)
             .await?;
         return Ok(unsettled.then_some(ClaimOutcome::InFlight {
@@ -328,7 +355,7 @@ async fn settle_in(
         return Ok(Some(ClaimOutcome::Mismatch));
     }
     if !flag("live")? {
-        let fence: i64 = sqlx::query_scalar(NEXT_FENCE).fetch_one(&mut *tx).await?;
+        let fence: i64 = sqlx::query_scalar(fence).fetch_one(&mut *tx).await?;
         let fence: i64 = sqlx::query_scalar(TAKE_OVER)
             .bind(record.scope())
             .bind(record.key().as_str())

@@ -79,6 +79,10 @@ impl PostgresStore {
                 diagnosis.push(severity, STORE, "citus", message);
             }
         }
+        if self.distributed {
+            let (severity, message) = self.clocks().await.unwrap_or_else(could_not);
+            diagnosis.push(severity, STORE, "clocks", message);
+        }
         let (severity, message) = self.sweeper().await.unwrap_or_else(could_not);
         diagnosis.push(severity, STORE, "sweeper", message);
         let (severity, message) = self.abandoned_keys().await.unwrap_or_else(could_not);
@@ -154,6 +158,47 @@ impl PostgresStore {
         } else {
             (Severity::Ok, layout)
         }))
+    }
+
+    /// On Citus: how far each worker's clock is from the coordinator's (read between two reads
+    /// of the coordinator's, so within half that round trip), against the skew the store allows
+    /// for ([`with_clock_skew`](PostgresStore::with_clock_skew)). Past it, a fence drawn on a
+    /// node behind may not grow, and a key may be taken over before its retention ends.
+    async fn clocks(&self) -> Result<(Severity, String), StoreError> {
+        let now = "SELECT extract(epoch FROM clock_timestamp())::float8";
+        let workers = "SELECT nodename || ':' || nodeport, result::float8
+                       FROM run_command_on_workers(
+                           'SELECT extract(epoch FROM clock_timestamp())::float8')
+                       WHERE success";
+        let (before, workers, after): (f64, Vec<(String, f64)>, f64) = self
+            .bounded(async {
+                let mut connection = self.pool.acquire().await?;
+                let before = sqlx::query_scalar(now).fetch_one(&mut *connection).await?;
+                let workers = sqlx::query_as(workers).fetch_all(&mut *connection).await?;
+                let after = sqlx::query_scalar(now).fetch_one(&mut *connection).await?;
+                Ok((before, workers, after))
+            })
+            .await?;
+        let (middle, error) = ((before + after) / 2.0, (after - before) / 2.0);
+        let farthest = workers
+            .iter()
+            .map(|(node, clock)| (node, (clock - middle).abs() + error))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let bound = self.skew();
+        let Some((node, apart)) = farthest else {
+            return Ok((Severity::Warning, "no worker answered".into()));
+        };
+        let apart_ms = apart * 1000.0;
+        if apart > bound.as_secs_f64() {
+            let message = format!(
+                "{node}'s clock is up to {apart_ms:.0} ms from the coordinator's, past the skew                  the store allows for ({bound:?}, with_clock_skew): fences drawn there may not                  grow, and keys may be taken over before their retention ends; synchronise the                  clocks, or raise the bound (and keep leases above twice it)"
+            );
+            return Ok((Severity::Risk, message));
+        }
+        let message = format!(
+            "every worker's clock within {apart_ms:.0} ms of the coordinator's, inside the skew              the store allows for ({bound:?}); keep leases above twice it"
+        );
+        Ok((Severity::Ok, message))
     }
 
     /// On a connection of its own, not the pool's: a pool keeps trying a server that refuses

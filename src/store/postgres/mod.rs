@@ -6,6 +6,7 @@ mod connections;
 mod diagnose;
 mod fence;
 mod migrations;
+mod shards;
 mod sql;
 pub(crate) mod unit;
 
@@ -15,14 +16,18 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sqlx::{PgConnection, PgPool, Row, postgres::PgRow};
+use sqlx::{
+    PgConnection, PgPool, Row,
+    postgres::{PgConnectOptions, PgRow},
+};
 use tokio::task::JoinHandle;
 
 pub(crate) use self::fence::{advance, commit, recovery_point};
 use self::{
     batch::{Batches, Completion, Queued, Release, Renewal},
     claim::{column_millis, column_status},
-    connections::Connections,
+    connections::{Connections, Plans},
+    shards::Routes,
     sql::*,
 };
 pub use self::{
@@ -44,6 +49,10 @@ pub const DEFAULT_POSTGRES_CONNECTIONS: usize = 16;
 /// Claims, or completions, one statement carries at most, by default.
 pub const DEFAULT_POSTGRES_BATCH: usize = 64;
 
+/// The bound on the skew between Citus nodes' clocks, by default
+/// ([`PostgresStore::with_clock_skew`]).
+pub const DEFAULT_CLOCK_SKEW: Duration = Duration::from_secs(1);
+
 /// Rows the sweeper deletes per statement, by default.
 pub const DEFAULT_SWEEP_BATCH: i64 = 500;
 
@@ -61,7 +70,8 @@ const STORE: &str = "postgres";
 /// is reported orphaned. Complete, release and renew are conditional on the owner, and a renewal
 /// never waits on a row lock. Every time is the database's.
 ///
-/// Fences come from a sequence, so they grow across reclaims and releases alike. Handlers fence
+/// Fences come from a sequence, so they grow across reclaims and releases alike (on Citus, from
+/// the clock of the node that runs the claim, per key: see [`on_citus`](Self::on_citus)). Handlers fence
 /// their business write with [`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit) (or
 /// `commit_with_response`, which stores the answer too) inside their own transaction: once
 /// committed, the key can be neither released nor reclaimed, only completed, so a handler that
@@ -96,6 +106,14 @@ pub struct PostgresStore {
     horizon: Duration,
     /// On a distributed table ([`on_citus`](Self::on_citus)): statements routed to one shard.
     distributed: bool,
+    /// On Citus: where each key's statements go ([`on_citus`](Self::on_citus)).
+    routes: Option<Arc<Routes>>,
+    /// On Citus: connect options for nodes the metadata names by an address the application
+    /// cannot use ([`with_citus_node`](Self::with_citus_node)).
+    citus_nodes: Arc<[(shards::Address, PgConnectOptions)]>,
+    /// On Citus: the bound on the clocks' skew between nodes, when set
+    /// ([`with_clock_skew`](Self::with_clock_skew)).
+    clock_skew: Option<Duration>,
     /// Calls waiting for a lane, shared by the store's clones.
     lanes: Lanes,
 }
@@ -168,7 +186,7 @@ impl PostgresStore {
             &pool.connect_options(),
             DEFAULT_POSTGRES_CONNECTIONS,
             DEFAULT_POSTGRES_TIMEOUT,
-            false,
+            Plans::Generic,
         );
         Self {
             pool,
@@ -179,6 +197,9 @@ impl PostgresStore {
             max_batch: DEFAULT_POSTGRES_BATCH,
             horizon: Duration::ZERO,
             distributed: false,
+            routes: None,
+            citus_nodes: Arc::from([]),
+            clock_skew: None,
             lanes: Lanes::new(DEFAULT_POSTGRES_CONNECTIONS, DEFAULT_POSTGRES_BATCH),
         }
     }
@@ -200,14 +221,29 @@ impl PostgresStore {
     }
 
     fn reconnect(&mut self) {
-        let options = self.pool.connect_options();
-        self.connections = Arc::new(Connections::new(
-            &options,
-            self.max_connections,
-            self.timeout,
-            self.distributed,
-        ));
+        self.connections = Arc::new(self.connect(self.max_connections));
+        self.routes = self.routes(self.max_connections);
         self.lanes = Lanes::new(self.max_connections, self.max_batch);
+    }
+
+    /// Up to `max` connections of the store's own to the pool's server (the coordinator, on
+    /// Citus).
+    fn connect(&self, max: usize) -> Connections {
+        let options = self.pool.connect_options();
+        let plans = match self.distributed {
+            true => Plans::Custom,
+            false => Plans::Generic,
+        };
+        Connections::new(&options, max, self.timeout, plans)
+    }
+
+    /// On Citus, routes with up to `max` connections of the store's own to each node.
+    fn routes(&self, max: usize) -> Option<Arc<Routes>> {
+        self.distributed.then(|| {
+            let options = (*self.pool.connect_options()).clone();
+            let overrides = self.citus_nodes.clone();
+            Arc::new(Routes::new(options, max, self.timeout, overrides))
+        })
     }
 
     /// How many claims, completions, releases or renewals one statement carries at most (64 by
@@ -222,23 +258,115 @@ impl PostgresStore {
         self
     }
 
-    /// For `idempotency_keys` distributed on a Citus coordinator
-    /// ([`DISTRIBUTE_ON_CITUS`](super::DISTRIBUTE_ON_CITUS)): every statement a request sends is
-    /// then one that Citus routes to the key's shard, on one worker. So there are no batches (a
+    /// For `idempotency_keys` distributed on Citus
+    /// ([`DISTRIBUTE_ON_CITUS`](super::DISTRIBUTE_ON_CITUS)): connect the pool to the
+    /// coordinator, and each of a request's statements goes straight to the worker that holds
+    /// the key's shard.
+    ///
+    /// The store reads the shard map from Citus's metadata (from the coordinator, or from a
+    /// worker while the coordinator is down: every node has it), hashes each key as Citus does,
+    /// and keeps connections of its own to each worker (up to
+    /// [`with_max_connections`](Self::with_max_connections) per worker, made on first use, with
+    /// the pool's connect options at the worker's address, or [`with_citus_node`](Self::with_citus_node)'s).
+    /// A worker runs the statement on its own shard, with no coordinator in the way: no second
+    /// planning, no extra round trip. Statements always name the distributed table, so one sent
+    /// on a stale map (a shard just moved) is forwarded by the worker, never written to an old
+    /// copy. The map is read again every 10 s and soon after a statement fails on a route; until
+    /// the first is read, statements go to the coordinator. While the coordinator is down,
+    /// requests whose keys are on live workers go on; the sweeper, [`stuck`](Store::stuck) and
+    /// the completer's scan, which read every shard, wait for it.
+    ///
+    /// Every statement is one Citus routes to the key's shard, so there are no batches (a
     /// batch's keys span shards; [`with_max_batch`](Self::with_max_batch) is 1), a claim is an
     /// insert and, when there is a row, a read (two statements for a duplicate, one for a fresh
-    /// key), and [`sweep`](Self::sweep) runs shard by shard on the workers. Connect the pool to
-    /// the coordinator.
+    /// key), and [`sweep`](Self::sweep) runs shard by shard on the workers. The handler's
+    /// transaction belongs on the key's worker too: take it from [`pool_for`](Self::pool_for).
+    ///
+    /// Fences are drawn per key, on the node that runs the claim, from its clock (in
+    /// microseconds), and grow by at least one on every take-over: there is no sequence for the
+    /// workers to share. So the nodes' clocks matter, within a bound the store is told
+    /// ([`with_clock_skew`](Self::with_clock_skew), 1 s by default): a released key keeps its
+    /// row (its lease ended) so that the next claim's fence grows from it, and a key is taken as
+    /// expired, by a claim or by the sweeper, only once its expiry is past by more than the
+    /// bound. Fences grow across releases, take-overs and shard moves as long as leases are
+    /// longer than twice the bound (the layer's default lease, 30 s, is).
     ///
     /// One promise is weaker than on one Postgres: the server cannot check the caller's time
-    /// before the insert (Citus reads the clock on the coordinator, before the statement reaches
-    /// the worker), so a claim its caller gave up on may still insert, and the key then answers
-    /// in flight until the lease ends. It never runs twice.
+    /// before the insert, so a claim its caller gave up on may still insert, and the key then
+    /// answers in flight until the lease ends. It never runs twice.
     pub fn on_citus(mut self) -> Self {
         self.distributed = true;
         self.max_batch = 1;
         self.reconnect();
         self
+    }
+
+    /// On Citus: connect to the node the metadata names `host`:`port` (`pg_dist_node`) with
+    /// `options` instead of the pool's options at that address: a worker behind another
+    /// address, or with other credentials.
+    pub fn with_citus_node(mut self, host: &str, port: u16, options: PgConnectOptions) -> Self {
+        let mut nodes = self.citus_nodes.to_vec();
+        nodes.retain(|((h, p), _)| (h.as_str(), *p) != (host, port));
+        nodes.push(((host.to_owned(), port), options));
+        self.citus_nodes = nodes.into();
+        self.reconnect();
+        self
+    }
+
+    /// On Citus: the bound on how far apart the nodes' clocks are (1 s by default). Each node
+    /// reads its own clock for leases, expiries and fences; after a shard moves, or through a
+    /// stale route, a key's row is read on another node's clock than wrote it. Keep it above
+    /// the skew your nodes' time synchronisation guarantees, and leases above twice it.
+    pub fn with_clock_skew(mut self, bound: Duration) -> Self {
+        self.clock_skew = Some(bound);
+        self
+    }
+
+    /// The skew the store's expiry checks allow for: none on one Postgres, whose clock is one.
+    fn skew(&self) -> Duration {
+        match self.distributed {
+            true => self.clock_skew.unwrap_or(DEFAULT_CLOCK_SKEW),
+            false => Duration::ZERO,
+        }
+    }
+
+    /// The pool for a handler's transaction with `claim` (its business write, and the fence:
+    /// [`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit)). On one Postgres, the
+    /// store's pool. On Citus ([`on_citus`](Self::on_citus)), a pool on the worker that holds the
+    /// key's shard (made on first use with the store's pool's options, so up to its
+    /// `max_connections` per worker), where the fence and a business table distributed by the
+    /// same value and co-located commit locally, with no distributed transaction; the store's
+    /// pool (the coordinator) until the shard map is read.
+    ///
+    /// ```no_run
+    /// # async fn handler(store: tower_idempotency::store::PostgresStore,
+    /// #     claim: tower_idempotency::IdempotencyClaim) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut tx = store.pool_for(&claim).begin().await?;
+    /// sqlx::query("INSERT INTO payments (key, amount) VALUES ($1, $2)")
+    ///     .bind(claim.key().as_str())
+    ///     .bind(4900)
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// claim.commit(&mut tx).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn pool_for(&self, claim: &crate::IdempotencyClaim) -> PgPool {
+        let record = claim.lease().record();
+        let Some(routes) = &self.routes else {
+            return self.pool.clone();
+        };
+        match routes.address(&self.connections, record.scope(), record.key().as_str()) {
+            Some(address) => routes.pool(&self.pool, &address),
+            None => self.pool.clone(),
+        }
+    }
+
+    /// The store's connections to the node that holds the shard of `key` (scope, key),
+    /// planning as `plans` says; `None` for the pool's server (one Postgres, or Citus's
+    /// coordinator while there is no map).
+    fn route(&self, key: (&str, &str), plans: Plans) -> Option<Arc<Connections>> {
+        self.routes.as_ref()?.route(&self.connections, key, plans)
     }
 
     /// Keeps a completed key as a tombstone once its answer's retention ends, until `horizon`
@@ -323,6 +451,7 @@ impl PostgresStore {
                     sqlx::query_as(SWEEP_SHARDS)
                         .bind(self.sweep_batch)
                         .bind(millis(self.horizon))
+                        .bind(millis(self.skew()))
                         .fetch_all(connection)
                         .await
                 })
@@ -382,13 +511,62 @@ impl PostgresStore {
         &self,
         statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     ) -> Result<T, StoreError> {
-        self.bounded(async {
-            let mut connection = self.connections.lend().await?;
-            let result = statement(&mut connection).await;
-            connection.give_back(&result);
-            result
-        })
-        .await
+        self.bounded(Self::on(&self.connections, statement)).await
+    }
+
+    /// [`on_connection`](Self::on_connection) for a statement about the key (`scope`, `key`):
+    /// on Citus, on the worker that holds its shard (the map is read again soon when it fails
+    /// there).
+    async fn on_key<T>(
+        &self,
+        key: (&str, &str),
+        statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, StoreError> {
+        self.on_key_planned(key, Plans::Custom, statement).await
+    }
+
+    /// [`on_key`](Self::on_key), for a statement of a fresh key's path on Citus: planned once
+    /// (see [`Plans::Generic`]).
+    async fn on_key_planned<T>(
+        &self,
+        key: (&str, &str),
+        plans: Plans,
+        statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, StoreError> {
+        let Some(connections) = self.route(key, plans) else {
+            return self.on_connection(statement).await;
+        };
+        let result = self.bounded(Self::on(&connections, statement)).await;
+        if result.is_err() {
+            self.suspect_route();
+        }
+        result
+    }
+
+    /// Runs `statement` on one of `connections`; the connection goes back unless the statement
+    /// left it out of step.
+    async fn on<T>(
+        connections: &Connections,
+        statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, sqlx::Error> {
+        let mut connection = connections.lend().await?;
+        let result = statement(&mut connection).await;
+        connection.give_back(&result);
+        result
+    }
+
+    /// A statement failed on a route: on Citus, the shard map is read again soon.
+    fn suspect_route(&self) {
+        if let Some(routes) = &self.routes {
+            routes.suspect();
+        }
+    }
+
+    /// The connections for a statement about `key` (scope, key): on Citus, the worker's that
+    /// holds its shard, planning as `plans` says.
+    fn connections_for(&self, key: (&str, &str), plans: Plans) -> Arc<Connections> {
+        self.route(key, plans)
+            .unwrap_or_else(|| self.connections.clone())
     }
 
     /// Runs `operation` under the timeout; the server's statement timeout is a timeout too.
@@ -397,6 +575,13 @@ impl PostgresStore {
         operation: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, StoreError> {
         super::bounded(STORE, self.timeout, operation, |e| self.failed(e)).await
+    }
+
+    /// [`failed`](Self::failed), for a statement on a route: on Citus, the shard map is read
+    /// again soon.
+    fn failed_on_route(&self, error: sqlx::Error) -> StoreError {
+        self.suspect_route();
+        self.failed(error)
     }
 
     fn timed_out(&self) -> StoreError {
@@ -506,33 +691,32 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let record = request.record();
             let adopted = self
-                .on_connection(async |connection| {
-                    sqlx::query(ADOPT)
-                        .bind(record.scope())
-                        .bind(record.key().as_str())
-                        .bind(&request.fingerprint().as_bytes()[..])
-                        .bind(response.status().as_u16() as i16)
-                        .bind(response.encode().to_vec())
-                        .bind(millis(retention))
-                        .execute(connection)
-                        .await
-                })
+                .on_key(
+                    (record.scope(), record.key().as_str()),
+                    async |connection| {
+                        sqlx::query(ADOPT)
+                            .bind(record.scope())
+                            .bind(record.key().as_str())
+                            .bind(&request.fingerprint().as_bytes()[..])
+                            .bind(response.status().as_u16() as i16)
+                            .bind(response.encode().to_vec())
+                            .bind(millis(retention))
+                            .execute(connection)
+                            .await
+                    },
+                )
                 .await?;
             Ok(adopted.rows_affected() == 1)
         })
     }
 
-    /// Connections of its own (at most 4, made on first use), on the same pool options.
+    /// Connections of its own (at most 4, made on first use, to each worker on Citus), on the
+    /// same pool options.
     fn detached(&self) -> Option<Arc<dyn Store>> {
-        let options = self.pool.connect_options();
-        let connections = Connections::new(
-            &options,
-            RENEWAL_CONNECTIONS,
-            self.timeout,
-            self.distributed,
-        );
         Some(Arc::new(Self {
-            connections: Arc::new(connections),
+            connections: Arc::new(self.connect(RENEWAL_CONNECTIONS)),
+            routes: (self.routes.as_ref())
+                .map(|routes| Arc::new(routes.detached(RENEWAL_CONNECTIONS))),
             max_connections: RENEWAL_CONNECTIONS,
             lanes: Lanes::new(RENEWAL_CONNECTIONS, self.max_batch),
             ..self.clone()
@@ -559,14 +743,17 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
         Box::pin(async move {
             let row = self
-                .on_connection(async |connection| {
-                    sqlx::query(INSPECT)
-                        .bind(record.scope())
-                        .bind(record.key().as_str())
-                        .bind(millis(self.horizon))
-                        .fetch_optional(connection)
-                        .await
-                })
+                .on_key(
+                    (record.scope(), record.key().as_str()),
+                    async |connection| {
+                        sqlx::query(INSPECT)
+                            .bind(record.scope())
+                            .bind(record.key().as_str())
+                            .bind(millis(self.horizon))
+                            .fetch_optional(connection)
+                            .await
+                    },
+                )
                 .await?;
             row.map(|row| read_info(&row)).transpose()
         })
@@ -575,13 +762,16 @@ impl Store for PostgresStore {
     fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let deleted = self
-                .on_connection(async |connection| {
-                    sqlx::query(FORGET)
-                        .bind(record.scope())
-                        .bind(record.key().as_str())
-                        .execute(connection)
-                        .await
-                })
+                .on_key(
+                    (record.scope(), record.key().as_str()),
+                    async |connection| {
+                        sqlx::query(FORGET)
+                            .bind(record.scope())
+                            .bind(record.key().as_str())
+                            .execute(connection)
+                            .await
+                    },
+                )
                 .await?;
             Ok(deleted.rows_affected() > 0)
         })
@@ -626,14 +816,17 @@ impl Store for PostgresStore {
         why: &'a str,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            self.on_connection(async |connection| {
-                sqlx::query(NOTE_UNFINISHED)
-                    .bind(record.scope())
-                    .bind(record.key().as_str())
-                    .bind(why)
-                    .execute(connection)
-                    .await
-            })
+            self.on_key(
+                (record.scope(), record.key().as_str()),
+                async |connection| {
+                    sqlx::query(NOTE_UNFINISHED)
+                        .bind(record.scope())
+                        .bind(record.key().as_str())
+                        .bind(why)
+                        .execute(connection)
+                        .await
+                },
+            )
             .await?;
             Ok(())
         })
