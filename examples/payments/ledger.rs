@@ -36,10 +36,11 @@ impl FromRow<'_, PgRow> for Payment {
     }
 }
 
-/// Where payments are kept.
+/// Where payments are kept: in memory, or in Postgres beside the keys (the store's pool, and on
+/// Citus each key's worker: `PostgresStore::pool_for`).
 pub(crate) enum Ledger {
     Memory(Mutex<HashMap<String, Payment>>),
-    Postgres(PgPool),
+    Postgres(PostgresStore),
 }
 
 pub(crate) async fn get_payment(
@@ -48,10 +49,10 @@ pub(crate) async fn get_payment(
 ) -> Response {
     let found = match &state.ledger {
         Ledger::Memory(payments) => payments.lock().unwrap().get(&id).cloned(),
-        Ledger::Postgres(pool) => {
+        Ledger::Postgres(store) => {
             match sqlx::query_as::<_, Payment>("SELECT * FROM payments WHERE id = $1")
                 .bind(&id)
-                .fetch_optional(pool)
+                .fetch_optional(store.pool())
                 .await
             {
                 Ok(found) => found,

@@ -112,8 +112,8 @@ async fn main() {
         .with_retention(env_millis("IDEMPOTENCY_RETENTION_MS", 86_400_000))
         .with_protected_until_header(true);
     let completing = matches!(state.ledger, Ledger::Postgres(_));
-    if let Ledger::Postgres(pool) = &state.ledger {
-        let pool = pool.clone();
+    if let Ledger::Postgres(store) = &state.ledger {
+        let pool = store.pool().clone();
         // A payment whose instance died mid-way, and whose client gave up, is finished by the
         // completer: it keeps the request (content type and body; never credentials) with the
         // payment's first recovery point, to resume the handler with.
@@ -198,10 +198,14 @@ async fn create_payment(
                 .insert(payment.id.clone(), payment.clone());
             created(&payment)
         }
-        Ledger::Postgres(pool) => match record_payment(pool, &state, &claim, &mut payment).await {
-            Ok(response) => response,
-            Err(response) => return response,
-        },
+        // On Citus, the payment's transactions run on the key's worker, beside its row.
+        Ledger::Postgres(store) => {
+            let pool = store.pool_for(&claim);
+            match record_payment(&pool, &state, &claim, &mut payment).await {
+                Ok(response) => response,
+                Err(response) => return response,
+            }
+        }
     };
     response.map(Body::from)
 }

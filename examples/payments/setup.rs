@@ -26,16 +26,13 @@ pub(crate) async fn stores_from_env() -> (Arc<dyn Store>, Ledger) {
     match (redis, postgres) {
         (Some(redis), Some(postgres)) => {
             tracing::info!("idempotency: Redis in front of Postgres");
-            let pool = postgres.pool().clone();
-            (
-                Arc::new(TieredStore::new(redis, postgres)),
-                Ledger::Postgres(pool),
-            )
+            let ledger = Ledger::Postgres(postgres.clone());
+            (Arc::new(TieredStore::new(redis, postgres)), ledger)
         }
         (None, Some(postgres)) => {
             tracing::info!("idempotency: Postgres");
-            let pool = postgres.pool().clone();
-            (Arc::new(postgres), Ledger::Postgres(pool))
+            let ledger = Ledger::Postgres(postgres.clone());
+            (Arc::new(postgres), ledger)
         }
         (Some(redis), None) => {
             tracing::warn!("idempotency: Redis alone (best effort); payments kept in memory");
