@@ -64,7 +64,11 @@ impl PgNode {
     }
 
     pub(crate) fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+        // No TLS, on every node alike: `CREATE EXTENSION citus` turns it on for the Citus ones.
+        format!(
+            "postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable",
+            self.port
+        )
     }
 
     /// The server's main process (`postmaster.pid`'s first line).
