@@ -34,6 +34,14 @@ pub struct IdempotencyClaim {
 }
 
 /// Without the request's headers: they may carry credentials.
+/// The claim's lease: what [`PostgresStore::pool_for`](crate::store::PostgresStore::pool_for)
+/// routes by.
+impl AsRef<Lease> for IdempotencyClaim {
+    fn as_ref(&self) -> &Lease {
+        &self.lease
+    }
+}
+
 impl std::fmt::Debug for IdempotencyClaim {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotencyClaim")

@@ -105,6 +105,7 @@ fn main() -> std::process::ExitCode {
         citus_worker_hash_is_postgres_hashtext,
         citus_keys_on_live_workers_are_served_while_the_coordinator_is_down,
         citus_a_key_expires_only_once_past_the_clock_skew,
+        citus_a_worker_is_reached_where_with_citus_node_says,
     ]);
     support::run(tests)
 }
@@ -710,4 +711,55 @@ async fn citus_a_key_expires_only_once_past_the_clock_skew() {
         matches!(past, ClaimOutcome::Acquired { .. }),
         "past the skew too: {past:?}"
     );
+}
+
+/// `with_citus_node`: a worker the metadata names by one address is reached by the one given.
+/// Pointed at a port where nothing listens, the keys on that worker fail (and nothing runs), so
+/// the override is what the store used; pointed at the worker by another name, they succeed.
+async fn citus_a_worker_is_reached_where_with_citus_node_says() {
+    let cluster = cluster().await;
+    let url = cluster.url();
+    let pool = pool(&url).await;
+    let worker = cluster.workers[0].port;
+    let key = async |n: usize| loop {
+        let key = format!("{}-{n}", uuid::Uuid::new_v4().simple());
+        if cluster.shard_of("idempotency_keys", &key).await.1 == i32::from(worker) {
+            return key;
+        }
+    };
+    let options = |host: &str, port: u16| {
+        let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+        options.host(host).port(port)
+    };
+    // The map is read in the background, on the first statement.
+    let settle = async |store: &PostgresStore| {
+        let warm = claim_request("warm-up", Duration::from_secs(1));
+        let _ = store.claim(&warm).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+
+    let nowhere = support::free_port();
+    let wrong = PostgresStore::new(pool.clone()).on_citus().with_citus_node(
+        "127.0.0.1",
+        worker,
+        options("127.0.0.1", nowhere),
+    );
+    settle(&wrong).await;
+    let request = claim_request(&key(0).await, Duration::from_secs(1));
+    assert!(
+        wrong.claim(&request).await.is_err(),
+        "the override was not used"
+    );
+
+    let renamed = PostgresStore::new(pool.clone()).on_citus().with_citus_node(
+        "127.0.0.1",
+        worker,
+        options("localhost", worker),
+    );
+    settle(&renamed).await;
+    let request = claim_request(&key(1).await, Duration::from_secs(1));
+    assert!(matches!(
+        renamed.claim(&request).await.unwrap(),
+        ClaimOutcome::Acquired { .. }
+    ));
 }

@@ -598,6 +598,12 @@ pub struct Lease {
     written: Option<u64>,
 }
 
+impl AsRef<Lease> for Lease {
+    fn as_ref(&self) -> &Lease {
+        self
+    }
+}
+
 impl Lease {
     /// The lease `owner` holds on `record`, granted with `fence`.
     ///

@@ -355,18 +355,7 @@ async fn settle_in(
         return Ok(Some(ClaimOutcome::Mismatch));
     }
     if !flag("live")? {
-        let fence: i64 = sqlx::query_scalar(fence).fetch_one(&mut *tx).await?;
-        let fence: i64 = sqlx::query_scalar(TAKE_OVER)
-            .bind(record.scope())
-            .bind(record.key().as_str())
-            .bind(&request.fingerprint().as_bytes()[..])
-            .bind(request.owner())
-            .bind(millis(request.lease()))
-            .bind(fence)
-            .fetch_one(&mut *tx)
-            .await?;
-        let fence = u64::try_from(fence).unwrap_or_default();
-        return Ok(Some(ClaimOutcome::Acquired { fence }));
+        return take_over(tx, request, fence).await.map(Some);
     }
     let lapsed = state == "committed"
         && flag("same")?
@@ -384,4 +373,25 @@ async fn settle_in(
         .execute(&mut *tx)
         .await?;
     Ok(Some(ClaimOutcome::InFlight { retry_after: grace }))
+}
+
+/// Takes over the expired row [`settle_in`] locked, with a fence the statement `fence` draws.
+async fn take_over(
+    tx: &mut PgConnection,
+    request: &ClaimRequest,
+    fence: &'static str,
+) -> Result<ClaimOutcome, sqlx::Error> {
+    let record = request.record();
+    let fence: i64 = sqlx::query_scalar(fence).fetch_one(&mut *tx).await?;
+    let fence: i64 = sqlx::query_scalar(TAKE_OVER)
+        .bind(record.scope())
+        .bind(record.key().as_str())
+        .bind(&request.fingerprint().as_bytes()[..])
+        .bind(request.owner())
+        .bind(millis(request.lease()))
+        .bind(fence)
+        .fetch_one(&mut *tx)
+        .await?;
+    let fence = u64::try_from(fence).unwrap_or_default();
+    Ok(ClaimOutcome::Acquired { fence })
 }

@@ -330,8 +330,9 @@ impl PostgresStore {
         }
     }
 
-    /// The pool for a handler's transaction with `claim` (its business write, and the fence:
-    /// [`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit)). On one Postgres, the
+    /// The pool for a handler's transaction with `claim` (an
+    /// [`IdempotencyClaim`](crate::IdempotencyClaim), or its [`Lease`]): its business write,
+    /// and the fence ([`IdempotencyClaim::commit`](crate::IdempotencyClaim::commit)). On one Postgres, the
     /// store's pool. On Citus ([`on_citus`](Self::on_citus)), a pool on the worker that holds the
     /// key's shard (made on first use with the store's pool's options, so up to its
     /// `max_connections` per worker), where the fence and a business table distributed by the
@@ -351,8 +352,8 @@ impl PostgresStore {
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
-    pub fn pool_for(&self, claim: &crate::IdempotencyClaim) -> PgPool {
-        let record = claim.lease().record();
+    pub fn pool_for(&self, claim: &impl AsRef<Lease>) -> PgPool {
+        let record = claim.as_ref().record();
         let Some(routes) = &self.routes else {
             return self.pool.clone();
         };
