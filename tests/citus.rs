@@ -106,6 +106,7 @@ fn main() -> std::process::ExitCode {
         citus_keys_on_live_workers_are_served_while_the_coordinator_is_down,
         citus_a_key_expires_only_once_past_the_clock_skew,
         citus_a_worker_is_reached_where_with_citus_node_says,
+        citus_pool_for_answers_outside_a_runtime,
     ]);
     support::run(tests)
 }
@@ -762,4 +763,32 @@ async fn citus_a_worker_is_reached_where_with_citus_node_says() {
         renamed.claim(&request).await.unwrap(),
         ClaimOutcome::Acquired { .. }
     ));
+}
+
+/// `pool_for` called outside a Tokio runtime (a thread of the application's own) answers
+/// instead of panicking: the coordinator's pool until a map is read, then the worker's, the map
+/// read inside the runtime.
+async fn citus_pool_for_answers_outside_a_runtime() {
+    let cluster = cluster().await;
+    let store = PostgresStore::new(pool(&cluster.url()).await).on_citus();
+    // A lease made by hand: the store has run nothing yet, and its map is due.
+    let claim = claim_request("outside", Duration::from_secs(1));
+    let lease = tower_idempotency::store::Lease::new(claim.record().clone(), claim.owner(), 1);
+    let outside = {
+        let (store, lease) = (store.clone(), lease.clone());
+        std::thread::spawn(move || store.pool_for(&lease).connect_options().get_port())
+    };
+    let port = outside.join().expect("pool_for panicked outside a runtime");
+    let ports: Vec<u16> = std::iter::once(&cluster.coordinator)
+        .chain(&cluster.workers)
+        .map(|node| node.port)
+        .collect();
+    assert!(ports.contains(&port), "{port} is none of {ports:?}");
+    // Inside the runtime the map is read, and the key's worker answers.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let _ = store.pool_for(&lease);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let worker = cluster.shard_of("idempotency_keys", "outside").await.1;
+    let port = store.pool_for(&lease).connect_options().get_port();
+    assert_eq!(i32::from(port), worker, "the key's worker");
 }

@@ -176,14 +176,19 @@ impl Routes {
         *due = (*due).min(soon);
     }
 
+    /// Outside a Tokio runtime (`pool_for` called from a thread of its own) the map is left to
+    /// the next call inside one.
     fn read_when_due(self: &Arc<Self>, coordinator: &Arc<Connections>) {
         let shared = &self.shared;
         let due = *shared.due.lock().unwrap_or_else(PoisonError::into_inner);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         if Instant::now() < due || shared.reading.swap(true, SeqCst) {
             return;
         }
         let (routes, coordinator) = (self.clone(), coordinator.clone());
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             let next = match routes.read(&coordinator).await {
                 Ok(()) => REFRESH,
                 Err(error) => {
