@@ -135,7 +135,7 @@ impl Connections {
 }
 
 /// How the server plans the store's prepared statements (`plan_cache_mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Plans {
     /// Once, for every execution: one Postgres; and on Citus a fresh key's statements (the
     /// claim's insert and read, the completion: flat, on one table), which Citus then routes

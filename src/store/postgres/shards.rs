@@ -87,8 +87,9 @@ pub(super) struct Routes {
     /// Connect options for nodes the metadata names by an address the application cannot use.
     overrides: Arc<[(Address, PgConnectOptions)]>,
     shared: Arc<Shared>,
-    /// Each node's connections, by how they plan ([`Plans`]).
-    nodes: Mutex<HashMap<(Address, Plans), Arc<Connections>>>,
+    /// Each node's connections: planning once, and on every execution ([`Plans`]). Both made
+    /// with the node, connecting only when first lent.
+    nodes: Mutex<HashMap<Address, [Arc<Connections>; 2]>>,
     /// Pools for the handlers' transactions on each node (`PostgresStore::pool_for`).
     pools: Mutex<HashMap<Address, PgPool>>,
 }
@@ -266,17 +267,22 @@ impl Routes {
         }))
     }
 
-    /// The store's connections to the node at `address` that plan as `plans` says, made on
-    /// first use.
+    /// The store's connections to the node at `address` that plan as `plans` says. Looked up
+    /// for every statement, without an allocation; made with the node's first statement.
     fn connections(&self, address: &Address, plans: Plans) -> Arc<Connections> {
+        let at = match plans {
+            Plans::Generic => 0,
+            Plans::Custom => 1,
+        };
         let mut nodes = self.nodes.lock().unwrap_or_else(PoisonError::into_inner);
-        let node = (address.clone(), plans);
-        if let Some(connections) = nodes.get(&node) {
-            return connections.clone();
+        if let Some(node) = nodes.get(address) {
+            return node[at].clone();
         }
         let options = self.options_for(address);
-        let connections = Arc::new(Connections::new(&options, self.max, self.timeout, plans));
-        nodes.insert(node, connections.clone());
+        let node = [Plans::Generic, Plans::Custom]
+            .map(|plans| Arc::new(Connections::new(&options, self.max, self.timeout, plans)));
+        let connections = node[at].clone();
+        nodes.insert(address.clone(), node);
         connections
     }
 
