@@ -389,6 +389,19 @@ async fn business_tables(admin: &PgPool) {
     .unwrap();
 }
 
+/// A handler's transaction on the key's worker (`pool_for`): the key's order paid, in `orders`
+/// (co-located), with the fence.
+async fn pay_on_its_worker(store: &PostgresStore, claim: &IdempotencyClaim) {
+    let mut tx = store.pool_for(claim).begin().await.unwrap();
+    sqlx::query("INSERT INTO orders (key, step) VALUES ($1, 'paid')")
+        .bind(claim.key().as_str())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    claim.commit(&mut tx).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
 /// Commits of the two-phase protocol the coordinator has recorded and not yet cleaned up.
 async fn two_phase_commits(admin: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM pg_dist_transaction")
@@ -491,16 +504,7 @@ async fn citus_a_business_table_elsewhere_commits_by_two_phase_commit_still_once
                     took[i] += started.elapsed();
                     continue;
                 }
-                "worker" => {
-                    let mut tx = store.pool_for(&claim).begin().await.unwrap();
-                    sqlx::query("INSERT INTO orders (key, step) VALUES ($1, 'paid')")
-                        .bind(claim.key().as_str())
-                        .execute(&mut *tx)
-                        .await
-                        .unwrap();
-                    claim.commit(&mut tx).await.unwrap();
-                    tx.commit().await.unwrap();
-                }
+                "worker" => pay_on_its_worker(&store, &claim).await,
                 _ => write(&claim, None).await.unwrap(),
             }
             took[i] += started.elapsed();
@@ -608,14 +612,7 @@ async fn citus_keys_on_live_workers_are_served_while_the_coordinator_is_down() {
     let handler = {
         let store = store.clone();
         move |claim: IdempotencyClaim, _: String| async move {
-            let mut tx = store.pool_for(&claim).begin().await.unwrap();
-            sqlx::query("INSERT INTO orders (key, step) VALUES ($1, 'paid')")
-                .bind(claim.key().as_str())
-                .execute(&mut *tx)
-                .await
-                .unwrap();
-            claim.commit(&mut tx).await.unwrap();
-            tx.commit().await.unwrap();
+            pay_on_its_worker(&store, &claim).await;
             StatusCode::CREATED
         }
     };
