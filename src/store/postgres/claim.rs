@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::future::join_all;
 use sqlx::{Connection, PgConnection, Row, postgres::PgRow};
 use tokio::sync::oneshot;
 use uuid::Uuid;
@@ -21,6 +22,12 @@ use crate::{
 /// Taken off a claim's time left before it is sent: the claim must not insert after its caller
 /// gave up, however long the message took to reach the server.
 const SEND_MARGIN: Duration = Duration::from_millis(5);
+
+/// On Citus, how many claims of one shard it takes before one insert for them all costs less
+/// than each alone. Measured with pgbench on a worker (Citus 13.0.5), server CPU an insert: a
+/// claim alone, the statement Citus plans once and caches, about 141 µs; four together about
+/// 400 µs, sixteen about 820.
+const CLAIMS_TOGETHER_FROM: usize = 3;
 
 /// A claim waiting for a lane: what the statement binds, and where its answer goes.
 pub(super) struct Queued {
@@ -79,9 +86,25 @@ impl PostgresStore {
         })
     }
 
-    /// One batch of claims. A batch that fails is sent again claim by claim, so that whatever
-    /// failed it fails only its own claim.
+    /// One batch of claims; on Citus, in groups of one shard ([`by_shard`](Self::by_shard)),
+    /// every group at once, each as one statement to its shard.
     async fn send_claims(&self, batch: Vec<Queued>) {
+        if !self.distributed {
+            return self.send_claim_group(batch).await;
+        }
+        let groups = self.by_shard(batch, CLAIMS_ON_A_SHARD, |queued| {
+            (queued.record.scope(), queued.record.key().as_str(), 0)
+        });
+        let groups = groups.into_iter().flat_map(|group| match group.len() {
+            n if n >= CLAIMS_TOGETHER_FROM => vec![group],
+            _ => group.into_iter().map(|claim| vec![claim]).collect(),
+        });
+        join_all(groups.map(|group| self.send_claim_group(group))).await;
+    }
+
+    /// Claims that go out together. A group that fails is sent again claim by claim, so that
+    /// whatever failed it fails only its own claim.
+    async fn send_claim_group(&self, batch: Vec<Queued>) {
         if batch.len() > 1 {
             tracing::debug!(claims = batch.len(), "claims sent together");
         }
@@ -108,7 +131,7 @@ impl PostgresStore {
         &self,
         batch: &[Queued],
     ) -> Result<Vec<Result<Claimed, StoreError>>, StoreError> {
-        // On Citus a batch is one claim, sent to its key's worker.
+        // On Citus a batch is of one shard (`send_claims`), sent to its worker.
         let record = &batch[0].record;
         let key = (record.scope(), record.key().as_str());
         let connections = self.connections_for(key, Plans::Generic);
@@ -132,11 +155,13 @@ impl PostgresStore {
             return Ok(answers);
         }
         let rows = if self.distributed {
-            claim_each(&mut connection, &sent, (self.horizon, self.skew())).await
+            claim_on_shard(&mut connection, &sent, (self.horizon, self.skew())).await
         } else {
-            claim_many(&sent, self.horizon)
-                .fetch_all(&mut *connection)
-                .await
+            numbered(
+                claim_many(&sent, self.horizon)
+                    .fetch_all(&mut *connection)
+                    .await,
+            )
         };
         // A claim without a row reads its key again.
         for (i, _, _) in &sent {
@@ -147,8 +172,7 @@ impl PostgresStore {
             return Ok(answers);
         }
         let rows = rows.map_err(|e| self.failed_on_route(e))?;
-        for row in rows {
-            let n: i64 = row.try_get("n").map_err(backend)?;
+        for (n, row) in rows {
             let (i, queued, _) = usize::try_from(n - 1)
                 .ok()
                 .and_then(|n| sent.get(n))
@@ -214,44 +238,55 @@ fn claim_many<'q>(
         .bind(millis(horizon))
 }
 
-/// The claims `sent` one by one, as statements routed to each key's shard (a distributed
-/// table, see [`PostgresStore::on_citus`]): [`CLAIM_INSERT`], then [`CLAIM_READ`] when there was
-/// a row. The rows [`CLAIM_MANY`] would have answered. Without the caller's time on the server:
-/// Citus evaluates `clock_timestamp()` where it plans the statement, before it reaches the
-/// shard, so it could not bound a wait there.
-async fn claim_each(
+/// The rows of [`CLAIM_MANY`], each with its ordinal `n`.
+fn numbered(rows: Result<Vec<PgRow>, sqlx::Error>) -> Result<Vec<(i64, PgRow)>, sqlx::Error> {
+    rows?
+        .into_iter()
+        .map(|row| Ok((row.try_get("n")?, row)))
+        .collect()
+}
+
+/// The claims `sent`, all of one shard of a distributed table (see
+/// [`PostgresStore::on_citus`]): one statement inserts those that have no row
+/// ([`claims_insert`]), then [`CLAIM_READ`] reads each of the others. The rows [`CLAIM_MANY`]
+/// would have answered, each with its claim's ordinal. Without the caller's time on the
+/// server: Citus evaluates `clock_timestamp()` where it plans the statement, before it reaches
+/// the shard, so it could not bound a wait there.
+async fn claim_on_shard(
     connection: &mut PgConnection,
     sent: &[(usize, &Queued, Duration)],
     (horizon, skew): (Duration, Duration),
-) -> Result<Vec<PgRow>, sqlx::Error> {
-    let mut rows = Vec::with_capacity(sent.len());
-    for (n, (_, queued, _)) in (1_i64..).zip(sent) {
-        let (scope, key) = (queued.record.scope(), queued.record.key().as_str());
-        let inserted = sqlx::query(CLAIM_INSERT)
-            .bind(scope)
-            .bind(key)
+) -> Result<Vec<(i64, PgRow)>, sqlx::Error> {
+    let mut insert = sqlx::query(claims_insert(sent.len()));
+    for (_, queued, _) in sent {
+        insert = insert
+            .bind(queued.record.scope())
+            .bind(queued.record.key().as_str())
             .bind(&queued.fingerprint[..])
             .bind(queued.owner)
-            .bind(millis(queued.lease))
+            .bind(millis(queued.lease));
+    }
+    let mut rows = Vec::with_capacity(sent.len());
+    for row in insert.fetch_all(&mut *connection).await? {
+        let owner: Uuid = row.try_get("owner")?;
+        let n = (1_i64..).zip(sent).find(|(_, (_, q, _))| q.owner == owner);
+        rows.extend(n.map(|(n, _)| (n, row)));
+    }
+    for (n, (_, queued, _)) in (1_i64..).zip(sent) {
+        if rows.iter().any(|(inserted, _)| *inserted == n) {
+            continue;
+        }
+        let row = sqlx::query(CLAIM_READ)
+            .bind(queued.record.scope())
+            .bind(queued.record.key().as_str())
+            .bind(&queued.fingerprint[..])
+            .bind(queued.owner)
             .bind(n)
+            .bind(millis(horizon))
+            .bind(millis(skew))
             .fetch_optional(&mut *connection)
             .await?;
-        let row = match inserted {
-            Some(row) => Some(row),
-            None => {
-                sqlx::query(CLAIM_READ)
-                    .bind(scope)
-                    .bind(key)
-                    .bind(&queued.fingerprint[..])
-                    .bind(queued.owner)
-                    .bind(n)
-                    .bind(millis(horizon))
-                    .bind(millis(skew))
-                    .fetch_optional(&mut *connection)
-                    .await?
-            }
-        };
-        rows.extend(row);
+        rows.extend(row.map(|row| (n, row)));
     }
     Ok(rows)
 }

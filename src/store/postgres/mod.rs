@@ -251,9 +251,10 @@ impl PostgresStore {
     /// connections each for claims and completions, one each for releases and renewals) are all
     /// sending go out together, one round trip and one commit for all of them; one that finds a
     /// lane free goes out at once, alone. `1` sends each on its own statement, up to one per
-    /// connection at once, as the store did before batches.
+    /// connection at once, as the store did before batches. On Citus, a batch goes out as a
+    /// statement per shard ([`on_citus`](Self::on_citus)).
     pub fn with_max_batch(mut self, calls: usize) -> Self {
-        self.max_batch = if self.distributed { 1 } else { calls.max(1) };
+        self.max_batch = calls.max(1);
         self.reconnect();
         self
     }
@@ -276,11 +277,15 @@ impl PostgresStore {
     /// requests whose keys are on live workers go on; the sweeper, [`stuck`](Store::stuck) and
     /// the completer's scan, which read every shard, wait for it.
     ///
-    /// Every statement is one Citus routes to the key's shard, so there are no batches (a
-    /// batch's keys span shards; [`with_max_batch`](Self::with_max_batch) is 1), a claim is an
-    /// insert and, when there is a row, a read (two statements for a duplicate, one for a fresh
-    /// key), and [`sweep`](Self::sweep) runs shard by shard on the workers. The handler's
-    /// transaction belongs on the key's worker too: take it from [`pool_for`](Self::pool_for).
+    /// Every statement is one Citus routes to one shard. Batches ([`with_max_batch`](Self::with_max_batch))
+    /// are split by shard: the claims of one shard go out as one insert (up to 16 rows), the
+    /// completions of one shard, four or more, as one update, each group to its worker and
+    /// every group at once; a claim alone is the one statement Citus plans once and caches
+    /// (fresh keys), and releases and renewals go alone. A claim that finds a row reads it
+    /// (one more statement, for a duplicate). The fewer shards a worker holds, the larger the
+    /// groups under load: the sizing guide gives a shard count. [`sweep`](Self::sweep) runs
+    /// shard by shard on the workers. The handler's transaction belongs on the key's worker
+    /// too: take it from [`pool_for`](Self::pool_for).
     ///
     /// Fences are drawn per key, on the node that runs the claim, from its clock (in
     /// microseconds), and grow by at least one on every take-over: there is no sequence for the
@@ -296,7 +301,6 @@ impl PostgresStore {
     /// answers in flight until the lease ends. It never runs twice.
     pub fn on_citus(mut self) -> Self {
         self.distributed = true;
-        self.max_batch = 1;
         self.reconnect();
         self
     }
@@ -554,6 +558,20 @@ impl PostgresStore {
         let result = statement(&mut connection).await;
         connection.give_back(&result);
         result
+    }
+
+    /// On Citus, `items` in groups that may share a statement ([`Routes::by_shard`]); without
+    /// routes, each alone.
+    fn by_shard<Q>(
+        &self,
+        items: Vec<Q>,
+        max: usize,
+        key: impl Fn(&Q) -> (&str, &str, u64),
+    ) -> Vec<Vec<Q>> {
+        match &self.routes {
+            Some(routes) => routes.by_shard(items, max, key),
+            None => items.into_iter().map(|item| vec![item]).collect(),
+        }
     }
 
     /// A statement failed on a route: on Citus, the shard map is read again soon.

@@ -58,12 +58,18 @@ struct ShardMap {
 }
 
 impl ShardMap {
-    fn find(&self, scope: &str, key: &str) -> Option<&Address> {
+    /// The shard of (`scope`, `key`): its place in `shards`.
+    fn shard(&self, scope: &str, key: &str) -> Option<usize> {
         let value = if self.by_scope { scope } else { key };
         let hash = hashtext(value.as_bytes());
         let at = self.shards.partition_point(|(low, _, _)| *low <= hash);
-        let (_, high, node) = self.shards.get(at.checked_sub(1)?)?;
-        (hash <= *high).then(|| &self.nodes[*node])
+        let shard = at.checked_sub(1)?;
+        (hash <= self.shards.get(shard)?.1).then_some(shard)
+    }
+
+    fn find(&self, scope: &str, key: &str) -> Option<&Address> {
+        let (_, _, node) = self.shards[self.shard(scope, key)?];
+        Some(&self.nodes[node])
     }
 }
 
@@ -158,6 +164,35 @@ impl Routes {
         self.read_when_due(coordinator);
         let map = self.map()?;
         Some(self.connections(map.find(scope, key)?, plans))
+    }
+
+    /// `items` in groups that may share a statement: of one shard on the current map, equal in
+    /// what else `key` reads besides the scope and key, at most `max` each, the groups in the
+    /// order of their first item. While there is no map, each item is a group of its own.
+    pub(super) fn by_shard<Q>(
+        &self,
+        items: Vec<Q>,
+        max: usize,
+        key: impl Fn(&Q) -> (&str, &str, u64),
+    ) -> Vec<Vec<Q>> {
+        let map = self.map();
+        // Each group's shard and kin (none: no map, a group of its own), and its items.
+        let mut tags = Vec::new();
+        let mut groups: Vec<Vec<Q>> = Vec::new();
+        for item in items {
+            let (scope, key, kin) = key(&item);
+            let tag = map.as_ref().and_then(|map| map.shard(scope, key)).map(|s| (s, kin));
+            let open = (0..groups.len())
+                .find(|&g| tag.is_some() && tags[g] == tag && groups[g].len() < max.max(1));
+            match open {
+                Some(g) => groups[g].push(item),
+                None => {
+                    tags.push(tag);
+                    groups.push(vec![item]);
+                }
+            }
+        }
+        groups
     }
 
     fn map(&self) -> Option<Arc<ShardMap>> {
