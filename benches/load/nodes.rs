@@ -207,10 +207,15 @@ async fn migrate(url: &str, citus: bool) -> Option<()> {
     let store = PostgresStore::new(sqlx::PgPool::connect(url).await.ok()?);
     store.migrate().await.ok()?;
     if citus {
-        sqlx::raw_sql(DISTRIBUTE_ON_CITUS)
-            .execute(store.pool())
-            .await
-            .ok()?;
+        // `CITUS_SHARDS`: the table's shard count (Citus's default, 32, without it).
+        let shards = std::env::var("CITUS_SHARDS").ok();
+        let shards = shards.map_or(String::new(), |n| format!("SET citus.shard_count = {n};"));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "{shards}{DISTRIBUTE_ON_CITUS}"
+        )))
+        .execute(store.pool())
+        .await
+        .ok()?;
     }
     Some(())
 }

@@ -17,6 +17,17 @@
 -- same value, co-located (`colocate_with => 'idempotency_keys'`), for `claim.commit` to be a
 -- single-shard transaction.
 --
+-- The shard count is Citus's `citus.shard_count` when the table is distributed (32 by
+-- default). The store sends the claims and completions of one shard that queue together as one
+-- statement, so fewer shards a worker make cheaper keys under load, and more make finer moves
+-- between workers (a shard is what moves): the sizing guide measures both. To choose it:
+--
+--   PGOPTIONS='-c citus.shard_count=8' psql "$DATABASE_URL" -1 -f migrations/optional/distribute_on_citus.sql
+--
+-- and later `SELECT alter_distributed_table('idempotency_keys', shard_count := 16,
+-- cascade_to_colocated := true)` (it rewrites the table and the ones co-located with it,
+-- blocking writes meanwhile).
+--
 -- Connect the store's pool to the coordinator: the store reads the shard map from it and sends
 -- each key's statements straight to the worker that holds its shard; take the handlers'
 -- transactions from `PostgresStore::pool_for(&claim)`, on that worker too. Fences are drawn per
