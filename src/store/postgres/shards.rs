@@ -181,7 +181,10 @@ impl Routes {
         let mut groups: Vec<Vec<Q>> = Vec::new();
         for item in items {
             let (scope, key, kin) = key(&item);
-            let tag = map.as_ref().and_then(|map| map.shard(scope, key)).map(|s| (s, kin));
+            let tag = map
+                .as_ref()
+                .and_then(|map| map.shard(scope, key))
+                .map(|s| (s, kin));
             let open = (0..groups.len())
                 .find(|&g| tag.is_some() && tags[g] == tag && groups[g].len() < max.max(1));
             match open {
