@@ -285,14 +285,18 @@ async fn citus_fences_grow_per_key_across_releases_reclaims_and_a_moved_shard() 
     fences.push(held.fence());
     assert_eq!(store.release(&held).await.unwrap(), Ownership::Held);
     // Claimed fresh once its shard moved to the other worker, then abandoned.
-    cluster.move_shard_of("idempotency_keys", "moving").await;
+    cluster
+        .move_shard_of("idempotency_keys", "moving", "block_writes")
+        .await;
     fences.push(
         acquire(&store, &claim_request("moving", lease))
             .await
             .fence(),
     );
     // Moved back, and taken over once its lease ended.
-    cluster.move_shard_of("idempotency_keys", "moving").await;
+    cluster
+        .move_shard_of("idempotency_keys", "moving", "block_writes")
+        .await;
     tokio::time::sleep(lease * 2).await;
     fences.push(
         acquire(&store, &claim_request("moving", lease))

@@ -1,6 +1,7 @@
 //! The fleet on Citus: payments instances on a coordinator and two workers, the keys and the
 //! payments sharded by key and co-located, while a worker restarts, a shard moves to the other
-//! worker and the coordinator restarts. The same exactly-once count as on one Postgres.
+//! worker and the coordinator restarts, and while the coordinator is down for 30 s and a shard
+//! moves by logical replication. The same exactly-once count as on one Postgres.
 
 use super::*;
 use support::CitusCluster;
@@ -64,7 +65,9 @@ pub async fn a_fleet_on_citus_commits_each_key_once_through_a_worker_restart_a_s
         ));
         tokio::time::sleep(Duration::from_millis(1000)).await;
         let moving = Instant::now();
-        let moved = citus.move_shard_of("idempotency_keys", "citus-7").await;
+        let moved = citus
+            .move_shard_of("idempotency_keys", "citus-7", "block_writes")
+            .await;
         done.push(format!("the shard of citus-7 moved in {}", took(moving)));
         tokio::time::sleep(Duration::from_millis(1000)).await;
         let restart = Instant::now();
@@ -94,6 +97,74 @@ pub async fn a_fleet_on_citus_commits_each_key_once_through_a_worker_restart_a_s
     assert!(
         Tally::get(&tally.unavailable) + Tally::get(&tally.failed_attempts) > 0,
         "no fault reached a request: nothing was tested"
+    );
+    drop(instances);
+    pool.close().await;
+}
+
+/// The coordinator stopped for 30 s under a steady load, then a shard moved by logical
+/// replication (writes go on while it copies) while the load goes on: the instances serve every
+/// key from the shard map they have, on the workers, with no request failing while the
+/// coordinator is down; the same exactly-once count at the end.
+pub async fn a_fleet_on_citus_serves_every_key_through_30_s_without_its_coordinator_and_a_logical_shard_move()
+ {
+    let _serial = SERIAL.lock().await;
+    let mut citus = CitusCluster::start(2).await;
+    let provider = MockProvider::start(Duration::from_millis(20)).await;
+    let lease_ms = 1000;
+    let env = [
+        ("DATABASE_URL", citus.single_shard_url()),
+        ("PROVIDER_URL", provider.url.clone()),
+        ("IDEMPOTENCY_LEASE_MS", lease_ms.to_string()),
+        ("PAYMENTS_WORK_MS", "100".to_owned()),
+    ];
+    let instances = fleet(3, &env).await;
+    let urls = urls(&instances);
+    let tally = Arc::new(Tally::default());
+
+    let faults = {
+        let tally = Arc::clone(&tally);
+        tokio::spawn(async move {
+            let counts = |tally: &Tally| {
+                let failed = Tally::get(&tally.unavailable) + Tally::get(&tally.failed_attempts);
+                (Tally::get(&tally.created), failed)
+            };
+            tokio::time::sleep(Duration::from_millis(2000)).await;
+            let before = counts(&tally);
+            citus.coordinator.stop_server();
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            let after = counts(&tally);
+            citus.coordinator.start_server().await;
+            tokio::time::sleep(Duration::from_millis(1000)).await;
+            let moving = Instant::now();
+            let moved = citus
+                .move_shard_of("idempotency_keys", "outage-7", "force_logical")
+                .await;
+            let took = moving.elapsed();
+            (citus, before, after, moved, took)
+        })
+    };
+    let answers = burst(&urls, "outage", 300, 3, Duration::from_secs(40), &tally).await;
+    let (citus, before, after, moved, took) = faults.await.unwrap();
+    let (served, failed) = (after.0 - before.0, after.1 - before.1);
+    assert!(
+        served > 100,
+        "{served} keys run while the coordinator was down"
+    );
+    assert_eq!(failed, 0, "requests failed while the coordinator was down");
+    assert_eq!(
+        citus.shard_of("idempotency_keys", "outage-7").await.1,
+        moved
+    );
+    tokio::time::sleep(Duration::from_millis(2 * lease_ms)).await;
+
+    let pool = PgPool::connect(&citus.url()).await.unwrap();
+    let figures = exactly_once(&pool, &provider, &answers).await;
+    println!(
+        "fleet on Citus: 3 instances, a coordinator and 2 workers (lease {lease_ms} ms); the \
+         coordinator down 30 s ({served} keys run meanwhile, {failed} requests failed), a shard \
+         moved by logical replication in {:.1} s; {figures}; {tally}",
+        took.as_secs_f64()
     );
     drop(instances);
     pool.close().await;

@@ -331,6 +331,7 @@ fn main() -> std::process::ExitCode {
     ]);
     tests.extend(crate::tests![&[Citus];
         citus::a_fleet_on_citus_commits_each_key_once_through_a_worker_restart_a_shard_move_and_a_coordinator_restart,
+        citus::a_fleet_on_citus_serves_every_key_through_30_s_without_its_coordinator_and_a_logical_shard_move,
     ]);
     support::run(tests)
 }

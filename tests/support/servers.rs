@@ -566,9 +566,11 @@ impl CitusCluster {
     }
 
     /// Moves the shard of `table` that holds `key` (with the shards co-located with it) to
-    /// another worker, blocking writes to it while it copies, as an operator rebalancing does.
-    /// Returns the port of the worker it is on now.
-    pub async fn move_shard_of(&self, table: &str, key: &str) -> i32 {
+    /// another worker, as an operator rebalancing does, in `mode` (Citus's
+    /// `shard_transfer_mode`: `block_writes` blocks writes to it while it copies,
+    /// `force_logical` copies by logical replication while writes go on and blocks them only
+    /// to switch over). Returns the port of the worker it is on now.
+    pub async fn move_shard_of(&self, table: &str, key: &str, mode: &str) -> i32 {
         use sqlx::Connection;
         let (shard, from) = self.shard_of(table, key).await;
         let to = self
@@ -580,11 +582,12 @@ impl CitusCluster {
         let mut admin = sqlx::PgConnection::connect(&self.url()).await.unwrap();
         sqlx::query(
             "SELECT citus_move_shard_placement($1, '127.0.0.1', $2, '127.0.0.1', $3,
-                                               shard_transfer_mode => 'block_writes')",
+                                               shard_transfer_mode => $4::citus.shard_transfer_mode)",
         )
         .bind(shard)
         .bind(from)
         .bind(to)
+        .bind(mode)
         .execute(&mut admin)
         .await
         .unwrap();
