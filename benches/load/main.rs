@@ -43,8 +43,9 @@
 //! "node" and "node-single" are the Postgres store (batched, and one call a statement) on a
 //! PostgreSQL server this program starts; "citus-1" and "citus-2" the store built for Citus
 //! (`on_citus`) on a coordinator with one and two workers it starts beside it, every server with
-//! the same settings (`nodes.rs`), all on the same cores; `CITUS_SHARDS=n` distributes their
-//! table in `n` shards (Citus's default is 32). Without Citus installed they are left out.
+//! the same settings (`nodes.rs`), all on the same cores, their table in 2 shards a worker (the
+//! sizing guide's advice; `CITUS_SHARDS=n` for `n`, Citus's own default being 32). Without
+//! Citus installed they are left out.
 //!
 //! `BENCH_WORKERS=n` gives each server process a runtime of `n` workers instead of one per core
 //! (with one, no two requests of a server contend for its locks).

@@ -145,14 +145,14 @@ impl Nodes {
     /// or `None` with a message when Citus cannot run here.
     pub(crate) async fn start() -> Option<Self> {
         let node = PgNode::start(false)?;
-        migrate(&node.url(), false).await?;
+        migrate(&node.url(), None).await?;
         let mut citus = Vec::new();
         let mut pids = Vec::new();
         for workers in 1..=2 {
             let coordinator = PgNode::start(true)?;
             let workers: Vec<PgNode> = (0..workers).filter_map(|_| PgNode::start(true)).collect();
             add_workers(&coordinator, &workers).await?;
-            migrate(&coordinator.url(), true).await?;
+            migrate(&coordinator.url(), Some(workers.len())).await?;
             let worker_pids = workers.iter().filter_map(PgNode::pid).collect();
             pids.push((
                 format!("citus-{}", workers.len()),
@@ -203,19 +203,18 @@ async fn add_workers(coordinator: &PgNode, workers: &[PgNode]) -> Option<()> {
     Some(())
 }
 
-async fn migrate(url: &str, citus: bool) -> Option<()> {
+/// The crate's migrations; on a Citus coordinator of `workers` workers, the table distributed
+/// too, in 2 shards a worker (the sizing guide's advice), or `CITUS_SHARDS`.
+async fn migrate(url: &str, workers: Option<usize>) -> Option<()> {
     let store = PostgresStore::new(sqlx::PgPool::connect(url).await.ok()?);
     store.migrate().await.ok()?;
-    if citus {
-        // `CITUS_SHARDS`: the table's shard count (Citus's default, 32, without it).
-        let shards = std::env::var("CITUS_SHARDS").ok();
-        let shards = shards.map_or(String::new(), |n| format!("SET citus.shard_count = {n};"));
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "{shards}{DISTRIBUTE_ON_CITUS}"
-        )))
-        .execute(store.pool())
-        .await
-        .ok()?;
+    if let Some(workers) = workers {
+        let shards = std::env::var("CITUS_SHARDS").unwrap_or_else(|_| (2 * workers).to_string());
+        let sql = format!("SET citus.shard_count = {shards};{DISTRIBUTE_ON_CITUS}");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(store.pool())
+            .await
+            .ok()?;
     }
     Some(())
 }
