@@ -839,7 +839,8 @@ async fn transactions_of(admin: &PgPool, keys: &[String]) -> i64 {
 /// written by fewer than 40 transactions, on claiming and on completing), and each gets the
 /// answer it gets alone: fresh keys, two claims of one key, a completed key, one in flight,
 /// another request with a completed key's key, an expired key taken over, and the completion
-/// of the owner it was taken from.
+/// of the owner it was taken from. Renewals and releases of one shard sent at once go call by
+/// call, each held.
 async fn citus_claims_and_completions_of_one_shard_share_a_statement_each_with_its_own_answer() {
     use tower_idempotency::conformance::claim_request as claim_of;
     let cluster = cluster().await;
@@ -850,8 +851,8 @@ async fn citus_claims_and_completions_of_one_shard_share_a_statement_each_with_i
         .with_clock_skew(Duration::ZERO)
         .with_max_connections(4);
     let prefix = uuid::Uuid::new_v4().simple().to_string();
-    let keys = keys_of_one_shard(&admin, &prefix, 45).await;
-    let (done, busy, gone, twice, fresh) = (&keys[0], &keys[1], &keys[2], &keys[3], &keys[5..]);
+    let keys = keys_of_one_shard(&admin, &prefix, 53).await;
+    let (done, busy, gone, twice, fresh) = (&keys[0], &keys[1], &keys[2], &keys[3], &keys[5..45]);
     let long = Duration::from_secs(60);
     let answer = tower_idempotency::store::StoredResponse::new(
         StatusCode::CREATED,
@@ -962,4 +963,34 @@ async fn citus_claims_and_completions_of_one_shard_share_a_statement_each_with_i
         .filter(|row| **row == ("completed".into(), Some(201)));
     // The fresh ones, the one taken over, one of the two claims of one key, the first done.
     assert_eq!(completed.count(), 40 + 3);
+
+    // Renewals and releases of one shard sent at once: each its own, held.
+    let mut spare = Vec::new();
+    for key in &keys[45..] {
+        spare.push(acquire(&store, &claim_request(key, long)).await);
+    }
+    let at_once = |release: bool| {
+        let (spare, store) = (spare.clone(), store.clone());
+        async move {
+            let calls: Vec<_> = spare
+                .into_iter()
+                .map(|lease| {
+                    let store = store.clone();
+                    tokio::spawn(async move {
+                        match release {
+                            true => store.release(&lease).await.unwrap(),
+                            false => store.renew(&lease, long).await.unwrap(),
+                        }
+                    })
+                })
+                .collect();
+            let mut answers = Vec::new();
+            for call in calls {
+                answers.push(call.await.unwrap());
+            }
+            answers
+        }
+    };
+    assert_eq!(at_once(false).await, vec![Ownership::Held; 8], "renewals");
+    assert_eq!(at_once(true).await, vec![Ownership::Held; 8], "releases");
 }
