@@ -407,6 +407,16 @@ async fn pay_on_its_worker(store: &PostgresStore, claim: &IdempotencyClaim) {
     tx.commit().await.unwrap();
 }
 
+/// A 201 answer with the body "done", as a handler's stored response.
+fn answer_done() -> tower_idempotency::store::StoredResponse {
+    tower_idempotency::store::StoredResponse::new(
+        StatusCode::CREATED,
+        axum::http::HeaderMap::new(),
+        Some(axum::body::Bytes::from_static(b"done")),
+        None,
+    )
+}
+
 /// Commits of the two-phase protocol the coordinator has recorded and not yet cleaned up.
 async fn two_phase_commits(admin: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM pg_dist_transaction")
@@ -686,12 +696,7 @@ async fn citus_a_key_expires_only_once_past_the_clock_skew() {
     let retention = Duration::from_millis(100);
     let claim = tower_idempotency::conformance::claim_request("t", &key, "first", retention);
     let lease = acquire(&store, &claim).await;
-    let answer = tower_idempotency::store::StoredResponse::new(
-        StatusCode::CREATED,
-        axum::http::HeaderMap::new(),
-        Some(axum::body::Bytes::from_static(b"done")),
-        None,
-    );
+    let answer = answer_done();
     let completed = store.complete(&lease, &answer, retention).await.unwrap();
     assert_eq!(completed, Ownership::Held);
     tokio::time::sleep(retention * 3).await;
@@ -854,12 +859,7 @@ async fn citus_claims_and_completions_of_one_shard_share_a_statement_each_with_i
     let keys = keys_of_one_shard(&admin, &prefix, 53).await;
     let (done, busy, gone, twice, fresh) = (&keys[0], &keys[1], &keys[2], &keys[3], &keys[5..45]);
     let long = Duration::from_secs(60);
-    let answer = tower_idempotency::store::StoredResponse::new(
-        StatusCode::CREATED,
-        axum::http::HeaderMap::new(),
-        Some(axum::body::Bytes::from_static(b"done")),
-        None,
-    );
+    let answer = answer_done();
     let lease = acquire(&store, &claim_request(done, long)).await;
     store.complete(&lease, &answer, long).await.unwrap();
     acquire(&store, &claim_request(busy, long)).await;
@@ -896,14 +896,10 @@ async fn citus_claims_and_completions_of_one_shard_share_a_statement_each_with_i
     for claim in claims {
         outcomes.push(claim.await.unwrap());
     }
-    let kind = |outcome: &ClaimOutcome| match outcome {
-        ClaimOutcome::Acquired { .. } => "acquired",
-        ClaimOutcome::Completed { .. } => "completed",
-        ClaimOutcome::InFlight { .. } => "in_flight",
-        ClaimOutcome::Mismatch => "mismatch",
-        other => panic!("{other:?}"),
-    };
-    let kinds: Vec<&str> = outcomes.iter().map(|(_, outcome)| kind(outcome)).collect();
+    let kinds: Vec<&str> = outcomes
+        .iter()
+        .map(|(_, outcome)| support::outcome_kind(outcome))
+        .collect();
     assert_eq!(
         kinds[..4],
         ["completed", "in_flight", "mismatch", "acquired"]

@@ -162,14 +162,7 @@ async fn claims_go_out_together_and_each_gets_its_own_answer() {
     for claim in claims {
         outcomes.push(claim.await.unwrap());
     }
-    let kind = |outcome: &ClaimOutcome| match outcome {
-        ClaimOutcome::Acquired { .. } => "acquired",
-        ClaimOutcome::Completed { .. } => "completed",
-        ClaimOutcome::InFlight { .. } => "in_flight",
-        ClaimOutcome::Mismatch => "mismatch",
-        other => panic!("{other:?}"),
-    };
-    let kinds: Vec<&str> = outcomes.iter().map(kind).collect();
+    let kinds: Vec<&str> = outcomes.iter().map(support::outcome_kind).collect();
     assert_eq!(
         kinds[..4],
         ["completed", "in_flight", "mismatch", "acquired"],

@@ -145,6 +145,18 @@ pub fn claim_request(key: &str, lease: Duration) -> store::ClaimRequest {
     tower_idempotency::conformance::claim_request("tenant", key, "body", lease)
 }
 
+/// What kind of outcome a claim had, by name, for comparing many at once: acquired, completed,
+/// in flight or a mismatch (any other fails the test).
+pub fn outcome_kind(outcome: &store::ClaimOutcome) -> &'static str {
+    match outcome {
+        store::ClaimOutcome::Acquired { .. } => "acquired",
+        store::ClaimOutcome::Completed { .. } => "completed",
+        store::ClaimOutcome::InFlight { .. } => "in_flight",
+        store::ClaimOutcome::Mismatch => "mismatch",
+        other => panic!("{other:?}"),
+    }
+}
+
 /// Claims and expects to acquire; returns the lease.
 pub async fn acquire(store: &impl Store, request: &store::ClaimRequest) -> store::Lease {
     match store.claim(request).await.unwrap() {
