@@ -118,17 +118,26 @@ async fn script_flush_between_calls_changes_nothing() {
 /// Completion and renewal are one `SET … IFEQ` on servers that have it (Valkey 8.1 and 9.1,
 /// Redis 8.4), release one `DELIFEQ` (Valkey 9.1), the scripts on servers that refuse them
 /// (Redis 7.0 and 8.2): the server's own command counts say which ran, and the answers are the
-/// same either way.
+/// same either way. The store asks the server once what it has, and never tries a command it
+/// does not.
 #[tokio::test]
 async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_where_not() {
     let server = RedisServer::start().await;
     let store = store_on(&server.url());
+    server.reset_stats().await;
     // The first finalizes find out what the server offers; the scripts get loaded.
     let warm_up = claim_request("k-warm-up", Duration::from_secs(30));
     let lease = support::acquire(&store, &warm_up).await;
     let renewed = store.renew(&lease, Duration::from_secs(30)).await.unwrap();
     assert_eq!(renewed, Ownership::Held);
     assert_eq!(store.release(&lease).await.unwrap(), Ownership::Held);
+    let errors = (server.errors("set").await, server.errors("delifeq").await);
+    assert_eq!(
+        errors,
+        (0, 0),
+        "commands the server does not have were tried"
+    );
+    assert_eq!(server.calls("command|docs").await, 1, "asked, once");
     server.reset_stats().await;
 
     let mut leases = Vec::new();
@@ -186,6 +195,7 @@ async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_wher
         (false, false) => assert_eq!(counts, (6 + 6 + 5, 4 + 2, 0, 2)),
         (false, true) => panic!("a server with DELIFEQ and without SET … IFEQ"),
     }
+    assert_eq!(server.calls("command|docs").await, 0, "asked again");
 }
 
 #[tokio::test]

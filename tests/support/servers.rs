@@ -149,22 +149,35 @@ impl RedisServer {
     /// How many times the server ran `command` (lower case) since the last reset, the calls
     /// that failed left out (`INFO commandstats`).
     pub async fn calls(&self, command: &str) -> u64 {
+        let stats = self.command_stats(command).await;
+        stats("calls") - stats("failed_calls")
+    }
+
+    /// How many calls of `command` (lower case) the server answered with an error since the last
+    /// reset: refused before running (a syntax error) or failed while running.
+    pub async fn errors(&self, command: &str) -> u64 {
+        let stats = self.command_stats(command).await;
+        stats("rejected_calls") + stats("failed_calls")
+    }
+
+    /// `command`'s line of `INFO commandstats`, as a lookup of its fields (0 where absent).
+    async fn command_stats(&self, command: &str) -> impl Fn(&str) -> u64 {
         let info: String = redis::cmd("INFO")
             .arg("commandstats")
             .query_async(&mut self.admin().await)
             .await
             .unwrap();
-        let field = |stats: &str, name: &str| -> u64 {
+        let prefix = format!("cmdstat_{command}:");
+        let stats = info
+            .lines()
+            .find_map(|line| line.trim().strip_prefix(&prefix).map(str::to_owned))
+            .unwrap_or_default();
+        move |name: &str| {
             stats
                 .split(',')
                 .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
                 .map_or(0, |value| value.parse().unwrap())
-        };
-        info.lines()
-            .find_map(|line| line.trim().strip_prefix(&format!("cmdstat_{command}:")))
-            .map_or(0, |stats| {
-                field(stats, "calls") - field(stats, "failed_calls")
-            })
+        }
     }
 }
 

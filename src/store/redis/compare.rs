@@ -1,33 +1,160 @@
 //! Compare-and-set where the server has it: completion and renewal by `SET … IFEQ`, release
 //! by `DELIFEQ`, each on the exact record the lease's claim wrote; `None` sends the caller to
-//! its script.
+//! its script. What the server has is asked once ([`RedisStore::offers`], which the doctor
+//! asks too), not read from its version string.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
-use ::redis::{ErrorKind, ServerErrorKind, Value};
+use ::redis::{ErrorKind, Pipeline, ServerErrorKind, Value};
 
-use super::{RedisStore, STORE, record};
+use super::{Node, RedisStore, STORE, record};
 use crate::store::{Lease, Ownership, StoreError};
 
+/// The compare-and-set commands a server has, as it says: a set of [`Offers::SET_IFEQ`],
+/// [`Offers::DELIFEQ`] and [`Offers::DELEX`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Offers(u8);
+
+impl Offers {
+    /// `SET … IFEQ` (Valkey 8.1, Redis 8.4): completion and renewal.
+    pub(super) const SET_IFEQ: Self = Self(1);
+    /// `DELIFEQ` (Valkey 9.0): release.
+    pub(super) const DELIFEQ: Self = Self(2);
+    /// `DELEX` (Redis 8.4): named by the doctor, not used yet.
+    pub(super) const DELEX: Self = Self(4);
+    const NAMES: [(Self, &'static str); 3] = [
+        (Self::SET_IFEQ, "SET IFEQ"),
+        (Self::DELIFEQ, "DELIFEQ"),
+        (Self::DELEX, "DELEX"),
+    ];
+
+    pub(super) fn has(self, command: Self) -> bool {
+        self.0 & command.0 != 0
+    }
+
+    /// The commands' names, as the doctor prints them.
+    pub(super) fn names(self) -> Vec<&'static str> {
+        let offered = Self::NAMES.iter().filter(|(command, _)| self.has(*command));
+        offered.map(|(_, name)| *name).collect()
+    }
+
+    /// What `COMMAND DOCS SET` and `COMMAND INFO DELIFEQ DELEX` answered: `IFEQ` where the
+    /// first names it, each delete the second does not answer nil for. A reply that is an error
+    /// (a server older than `COMMAND DOCS`) offers nothing.
+    fn read(docs: &Value, info: &Value) -> Self {
+        let mut offers = Self::default();
+        if names(docs, "ifeq") {
+            offers.0 |= Self::SET_IFEQ.0;
+        }
+        if let Value::Array(infos) = info {
+            let deletes = [Self::DELIFEQ, Self::DELEX].into_iter().zip(infos);
+            for (command, info) in deletes {
+                if *info != Value::Nil {
+                    offers.0 |= command.0;
+                }
+            }
+        }
+        offers
+    }
+}
+
+/// Whether `value` (a `COMMAND DOCS` reply, nested) names `name`, in any case.
+fn names(value: &Value, name: &str) -> bool {
+    match value {
+        Value::BulkString(bytes) => bytes.eq_ignore_ascii_case(name.as_bytes()),
+        Value::SimpleString(text) => text.eq_ignore_ascii_case(name),
+        Value::Array(items) | Value::Set(items) => items.iter().any(|item| names(item, name)),
+        Value::Map(pairs) => pairs
+            .iter()
+            .any(|(key, value)| names(key, name) || names(value, name)),
+        _ => false,
+    }
+}
+
+/// What the store knows of its server's compare-and-set commands: nothing until it asked
+/// once; then what the server offered, less what it refused since (an error reply writes
+/// nothing: the script does that change's work from then on, for the life of the store).
+#[derive(Debug, Default)]
+pub(super) struct Known(AtomicU8);
+
+/// The bit of [`Known`] that says the server was asked.
+const ASKED: u8 = 0x80;
+
+impl Known {
+    fn get(&self) -> Option<Offers> {
+        let known = self.0.load(Ordering::Relaxed);
+        (known & ASKED != 0).then_some(Offers(known & !ASKED))
+    }
+
+    fn learn(&self, offers: Offers) {
+        self.0.store(offers.0 | ASKED, Ordering::Relaxed);
+    }
+
+    fn refuse(&self, command: Offers) {
+        self.0.fetch_and(!command.0, Ordering::Relaxed);
+    }
+}
+
 impl RedisStore {
+    /// The compare-and-set commands `node` has (the store's own connection for `None`), as it
+    /// says, in one round trip: `COMMAND DOCS SET` for `IFEQ`, `COMMAND INFO` for `DELIFEQ`
+    /// and `DELEX`. The commands themselves are not the probe: a server's error for an unknown
+    /// command echoes its arguments, and a record's bytes make that error unreadable.
+    pub(super) async fn offers(&self, node: &Node) -> Result<Offers, StoreError> {
+        let mut probe = Pipeline::new();
+        probe.ignore_errors();
+        probe.cmd("COMMAND").arg("DOCS").arg("SET");
+        probe.cmd("COMMAND").arg("INFO").arg("DELIFEQ").arg("DELEX");
+        self.call(async |connection| {
+            match connection.pipeline_on(node, &probe).await {
+                Ok(replies) => match replies.as_slice() {
+                    [docs, info] => Ok(Offers::read(docs, info)),
+                    _ => Ok(Offers::default()),
+                },
+                // A server that refuses the probe itself has none of them.
+                Err(error) if matches!(error.kind(), ErrorKind::Server(_)) => Ok(Offers::default()),
+                Err(error) => Err(error),
+            }
+        })
+        .await
+    }
+
+    /// Whether the store's server has `command`, asked once (see [`offers`](Self::offers));
+    /// `false` while it cannot be asked, to ask again next time.
+    async fn offered(&self, command: Offers) -> bool {
+        if let Some(known) = self.known.get() {
+            return known.has(command);
+        }
+        match self.offers(&None).await {
+            Ok(offers) => {
+                self.known.learn(offers);
+                offers.has(command)
+            }
+            Err(error) => {
+                tracing::debug!(%error, "could not ask Redis for its compare-and-set commands: scripts do this change");
+                false
+            }
+        }
+    }
+
     /// Runs `command`, made from the lease's Redis key and the exact record its claim wrote, and
     /// returns the server's reply. `None`: the lease does not know its record (no receipt), or
-    /// the server refuses the command, now or before (`refused`: it answered an error, so
-    /// nothing was written): the caller runs its script.
+    /// the server does not offer the command, or refuses it now (an error reply: nothing was
+    /// written, and the scripts do its work from then on): the caller runs its script.
     async fn on_claimed_record(
         &self,
         lease: &Lease,
-        refused: &AtomicBool,
+        offer: Offers,
         command: impl FnOnce(String, Vec<u8>) -> ::redis::Cmd,
     ) -> Result<Option<Value>, StoreError> {
-        if refused.load(Ordering::Relaxed) {
-            return Ok(None);
-        }
         let Some(current) = lease.receipt().and_then(|receipt| {
             record::in_flight(receipt.fingerprint, lease.owner(), receipt.fence)
         }) else {
             return Ok(None);
         };
+        if !self.offered(offer).await {
+            return Ok(None);
+        }
         let command = command(self.record_key(lease.record()), current);
         let reply = self
             .call(async |connection| match command.query_async(connection).await {
@@ -39,7 +166,7 @@ impl RedisStore {
             })
             .await?;
         if reply.is_none() {
-            refused.store(true, Ordering::Relaxed);
+            self.known.refuse(offer);
         }
         Ok(reply)
     }
@@ -54,7 +181,7 @@ impl RedisStore {
         millis: u64,
     ) -> Result<Option<Ownership>, StoreError> {
         let reply = self
-            .on_claimed_record(lease, &self.refused.set_ifeq, |key, current| {
+            .on_claimed_record(lease, Offers::SET_IFEQ, |key, current| {
                 let mut set = ::redis::cmd("SET");
                 set.arg(key)
                     .arg(next(&current))
@@ -80,11 +207,8 @@ impl RedisStore {
         &self,
         lease: &Lease,
     ) -> Result<Option<Ownership>, StoreError> {
-        if !self.refused.delifeq_asked.load(Ordering::Relaxed) && !self.ask_for_delifeq().await {
-            return Ok(None);
-        }
         let reply = self
-            .on_claimed_record(lease, &self.refused.delifeq, |key, current| {
+            .on_claimed_record(lease, Offers::DELIFEQ, |key, current| {
                 let mut delete = ::redis::cmd("DELIFEQ");
                 delete.arg(key).arg(current);
                 delete
@@ -98,51 +222,6 @@ impl RedisStore {
             })
             .transpose()
     }
-
-    /// Asks the server whether it has `DELIFEQ` (`COMMAND INFO`, see [`known`]) and remembers
-    /// the answer; `false` when it could not be asked, to ask
-    /// again next time. The command itself is not the probe: a server's error for an unknown
-    /// command echoes its arguments, and a record's bytes make that error unreadable.
-    async fn ask_for_delifeq(&self) -> bool {
-        let mut info = ::redis::cmd("COMMAND");
-        info.arg("INFO").arg("DELIFEQ");
-        let reply = self
-            .call(async |connection| info.query_async::<Value>(connection).await)
-            .await;
-        let Ok(reply) = reply else {
-            return false;
-        };
-        if known(&reply, &["DELIFEQ"]).is_empty() {
-            self.refused.delifeq.store(true, Ordering::Relaxed);
-        }
-        self.refused.delifeq_asked.store(true, Ordering::Relaxed);
-        true
-    }
-}
-
-/// The compare-and-set commands a server refused (it answered an error and wrote nothing): the
-/// scripts do their work from then on, for the life of the store.
-#[derive(Debug, Default)]
-pub(super) struct Refused {
-    /// `SET … IFEQ` (Valkey 8.1, Redis 8.4): completion and renewal.
-    set_ifeq: AtomicBool,
-    /// `DELIFEQ` (Valkey 9.0): release.
-    delifeq: AtomicBool,
-    /// Whether the server was asked for `DELIFEQ` (see `ask_for_delifeq`).
-    delifeq_asked: AtomicBool,
-}
-
-/// Which of `names` a `COMMAND INFO` of them, in that order, says the server knows: it answers
-/// nil for a command it does not.
-pub(super) fn known<'n>(reply: &Value, names: &[&'n str]) -> Vec<&'n str> {
-    let Value::Array(infos) = reply else {
-        return Vec::new();
-    };
-    let answers = names.iter().zip(infos);
-    answers
-        .filter(|(_, info)| **info != Value::Nil)
-        .map(|(name, _)| *name)
-        .collect()
 }
 
 /// A reply a compare-and-set `command` never gives.

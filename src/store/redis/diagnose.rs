@@ -4,7 +4,7 @@
 
 use ::redis::{Pipeline, Value};
 
-use super::{Node, RedisStore, STORE};
+use super::{Node, RedisStore, STORE, compare::Offers};
 use crate::store::{Diagnosis, Severity, StoreError};
 
 impl RedisStore {
@@ -54,8 +54,8 @@ impl RedisStore {
         };
         match self.info(node, "server").await {
             Ok(server) => {
-                let commands = self.compare_and_set_commands(node).await;
-                let (severity, message) = version(&server, &commands);
+                let offers = self.offers(node).await.unwrap_or_default();
+                let (severity, message) = version(&server, offers);
                 diagnosis.push(severity, STORE, "version", format!("{on}{message}"));
             }
             Err(error) => {
@@ -81,24 +81,6 @@ impl RedisStore {
             replication.ok(),
         );
         diagnosis.push(severity, STORE, "persistence", format!("{on}{message}"));
-    }
-
-    /// The compare-and-set commands `node` says it has: `SET IFEQ` where `COMMAND DOCS SET`
-    /// names the `IFEQ` argument, `DELIFEQ` and `DELEX` where `COMMAND INFO` knows them.
-    async fn compare_and_set_commands(&self, node: &Node) -> Vec<&'static str> {
-        let mut offers = Vec::new();
-        let docs = self.ask(node, &["COMMAND", "DOCS", "SET"]).await;
-        if docs.is_ok_and(|docs| names(&docs, "ifeq")) {
-            offers.push("SET IFEQ");
-        }
-        let deletes = ["DELIFEQ", "DELEX"];
-        let reply = self
-            .ask(node, &["COMMAND", "INFO", deletes[0], deletes[1]])
-            .await;
-        if let Ok(reply) = reply {
-            offers.extend(super::compare::known(&reply, &deletes));
-        }
-        offers
     }
 
     async fn check_slots(&self, masters: &[Node], diagnosis: &mut Diagnosis) {
@@ -209,37 +191,24 @@ fn triple(version: &str) -> (u32, u32, u32) {
     (next(), next(), next())
 }
 
-/// Whether `value` holds the string `name` (in any case), at any depth.
-fn names(value: &Value, name: &str) -> bool {
-    match value {
-        Value::BulkString(bytes) => bytes.eq_ignore_ascii_case(name.as_bytes()),
-        Value::SimpleString(text) => text.eq_ignore_ascii_case(name),
-        Value::Array(items) | Value::Set(items) => items.iter().any(|item| names(item, name)),
-        Value::Map(pairs) => pairs
-            .iter()
-            .any(|(key, value)| names(key, name) || names(value, name)),
-        _ => false,
-    }
-}
-
-/// The server's name and version, and which of the compare-and-set `commands` it offers (as
+/// The server's name and version, and which of the compare-and-set commands it `offers` (as
 /// the server says, not from its version) the store uses.
-fn version(server: &Info, commands: &[&str]) -> (Severity, String) {
+fn version(server: &Info, offers: Offers) -> (Severity, String) {
     let (name, version) = match server.get("valkey_version") {
         Some(version) => ("Valkey", version),
         None => ("Redis", server.get("redis_version").unwrap_or("unknown")),
     };
     let v = triple(version);
-    let offers = match commands.is_empty() {
-        true => "none".to_owned(),
-        false => commands.join(", "),
-    };
-    let has = |command| commands.contains(&command);
-    let finalizes = match (has("SET IFEQ"), has("DELIFEQ")) {
+    let finalizes = match (offers.has(Offers::SET_IFEQ), offers.has(Offers::DELIFEQ)) {
         (true, true) => "completion and renewal use SET IFEQ, release DELIFEQ",
         (true, false) => "completion and renewal use SET IFEQ",
         (false, true) => "release uses DELIFEQ",
         (false, false) => "every change runs a script",
+    };
+    let names = offers.names();
+    let offers = match names.is_empty() {
+        true => "none".to_owned(),
+        false => names.join(", "),
     };
     let message = format!("{name} {version}; compare-and-set commands: {offers}; {finalizes}");
     if name == "Redis" && v < (6, 2, 0) {

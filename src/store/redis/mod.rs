@@ -48,9 +48,11 @@ use crate::response::StoredResponse;
 /// with `DELIFEQ` (Valkey 9.0 and newer) release is one `DELIFEQ` on that same record. The
 /// claim stays a script (it reads before it writes, so a replay is one call, and it draws the
 /// fence from the server's clock); `DELEX … IFEQ` (Redis 8.4) is not used yet. The records are
-/// the same either way. The store tries each command first; a server that refuses one with an
-/// error (and so writes nothing) gets that command's script from then on, for the life of the
-/// store: a cluster in the middle of an upgrade gets the scripts until the store is made anew.
+/// the same either way. The store asks the server which of them it has, once, before its first
+/// compare-and-set (`COMMAND DOCS SET`, `COMMAND INFO`: from what the server says, not from its
+/// version string; the doctor's version line asks the same); a server that then refuses one
+/// with an error (and so writes nothing: one node of a cluster in the middle of an upgrade)
+/// gets that command's script from then on, for the life of the store.
 /// A lease made with [`Lease::new`] rather than from its claim, which does not know the
 /// record's bytes, is finalized by the scripts.
 ///
@@ -84,8 +86,8 @@ pub struct RedisStore {
     backend: Backend,
     prefix: Arc<str>,
     timeout: Duration,
-    /// The compare-and-set commands the server refused: their scripts run instead.
-    refused: Arc<compare::Refused>,
+    /// The compare-and-set commands the server has, asked once, less those it refused.
+    known: Arc<compare::Known>,
     /// How long after its completion a key is kept as a tombstone (zero: not at all).
     horizon: Duration,
 }
@@ -167,7 +169,7 @@ impl RedisStore {
             backend,
             prefix: Arc::from("idempotency:"),
             timeout: DEFAULT_REDIS_TIMEOUT,
-            refused: Arc::default(),
+            known: Arc::default(),
             horizon: Duration::ZERO,
         }
     }
