@@ -16,7 +16,7 @@ use http::{HeaderMap, StatusCode};
 use support::{RedisServer, claim_request, eventually, redis_connection, redis_url};
 use tower::ServiceExt;
 use tower_idempotency::{
-    IdempotencyLayer,
+    IdempotencyLayer, conformance,
     store::StoredResponse,
     store::{ClaimOutcome, Ownership, RedisStore, Store, StoreError},
 };
@@ -196,6 +196,57 @@ async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_wher
         (false, true) => panic!("a server with DELIFEQ and without SET … IFEQ"),
     }
     assert_eq!(server.calls("command|docs").await, 0, "asked again");
+}
+
+/// In front of an authority the store claims with one `SET … NX GET` and a `PTTL` in a
+/// transaction (`Store::claim_in_front`), and its answers are a claim's: granted, granted again
+/// to its owner with the same fence, in flight to another owner for what is left of the lease,
+/// a mismatch to another request, the answer to a retry with what is left of the retention. The
+/// record is the one claim.lua writes: the script reads it, and the lease finalizes it.
+#[tokio::test]
+async fn a_claim_in_front_answers_as_a_claim_does_without_a_script() {
+    let server = RedisServer::start().await;
+    let store = store_on(&server.url());
+    let lease = Duration::from_secs(30);
+    let request = claim_request("k-front", lease);
+    server.reset_stats().await;
+
+    let ClaimOutcome::Acquired { fence } = store.claim_in_front(&request).await.unwrap() else {
+        panic!("not acquired");
+    };
+    let again = store.claim_in_front(&request).await.unwrap();
+    assert_eq!(again, ClaimOutcome::Acquired { fence });
+    match store.claim_in_front(&claim_request("k-front", lease)).await {
+        Ok(ClaimOutcome::InFlight { retry_after }) => {
+            assert!(retry_after <= lease && retry_after > lease - Duration::from_secs(5));
+        }
+        other => panic!("another owner got {other:?}"),
+    }
+    let other_body = conformance::claim_request("tenant", "k-front", "another body", lease);
+    let mismatch = store.claim_in_front(&other_body).await.unwrap();
+    assert_eq!(mismatch, ClaimOutcome::Mismatch);
+    assert_eq!(server.calls("evalsha").await, 0, "a script claimed");
+
+    let retention = Duration::from_secs(3600);
+    let held = request.lease_with_fence(fence);
+    let response = ok_response();
+    let completed = store.complete(&held, &response, retention);
+    assert_eq!(completed.await.unwrap(), Ownership::Held);
+    for replay in [
+        store.claim_in_front(&request).await,
+        store.claim(&request).await,
+    ] {
+        match replay.unwrap() {
+            ClaimOutcome::Completed {
+                response,
+                expires_in,
+            } => {
+                assert_eq!(*response, ok_response());
+                assert!(expires_in <= retention && expires_in > retention - Duration::from_secs(5));
+            }
+            other => panic!("expected a replay, got {other:?}"),
+        }
+    }
 }
 
 #[tokio::test]

@@ -51,12 +51,12 @@ fn created() -> StoredResponse {
     )
 }
 
-/// Behind Postgres, Redis completes the record it wrote by compare-and-set where it can: the
-/// fence it wrote travels in the lease beside the authority's (which the handler sees), so
-/// the front holds the answer after one `SET`, and still after a script where the server has
-/// no `SET … IFEQ`.
+/// Behind Postgres, Redis claims with one `SET … NX GET` in a transaction, no script, and
+/// completes the record it wrote by compare-and-set where it can: the fence it wrote travels
+/// in the lease beside the authority's (which the handler sees), so the front holds the answer
+/// after one `SET`, and still after a script where the server has no `SET … IFEQ`.
 #[tokio::test]
-async fn the_front_completes_the_record_it_wrote_by_compare_and_set_where_it_can() {
+async fn the_front_claims_by_command_and_completes_by_compare_and_set_where_it_can() {
     let server = RedisServer::start().await;
     let schema = TestSchema::new().await;
     let redis = RedisStore::open(&server.url()).unwrap();
@@ -71,27 +71,21 @@ async fn the_front_completes_the_record_it_wrote_by_compare_and_set_where_it_can
 
     for key in ["k-cas-1", "k-cas-2", "k-cas-3"] {
         complete(key).await;
-        match redis.claim(&request(key)).await.unwrap() {
+        match redis.claim_in_front(&request(key)).await.unwrap() {
             ClaimOutcome::Completed { response, .. } => assert_eq!(*response, created()),
             other => panic!("the front does not hold the answer: {other:?}"),
         }
     }
-    // Each claim that acquires is one SET inside claim.lua; a completion is one SET, its own
+    // Each claim and each replay is one SET in a transaction; a completion is one SET, its own
     // or inside complete.lua: the scripts run say which.
-    let (scripts, sets) = (server.calls("evalsha").await, server.calls("set").await);
-    if server.has_set_ifeq().await {
-        assert_eq!(
-            (scripts, sets),
-            (3 + 3, 3 + 3),
-            "claims and replays scripted"
-        );
-    } else {
-        assert_eq!(
-            (scripts, sets),
-            (3 + 3 + 3, 3 + 3),
-            "completions scripted too"
-        );
-    }
+    let count = async |command: &str| server.calls(command).await;
+    let counts = (
+        count("evalsha").await,
+        count("set").await,
+        count("exec").await,
+    );
+    let completions_scripted = if server.has_set_ifeq().await { 0 } else { 3 };
+    assert_eq!(counts, (completions_scripted, 3 + 3 + 3, 3 + 3));
 }
 
 #[tokio::test]

@@ -102,6 +102,21 @@ pub trait Store: Send + Sync + 'static {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>>;
 
+    /// [`claim`](Self::claim), asked of a store that stands in front of an authority (the
+    /// front of a [`TieredStore`]), which asks the authority whenever this answers anything
+    /// but a replay. The fence granted here only names the claim's record (the handler gets the
+    /// authority's), and the authority's tombstones are the ones that count, so this claim
+    /// need not draw a fence that grows across claims, nor read tombstones; everything else is
+    /// as `claim`: it grants a free key for the lease, answers a held key's record with what is
+    /// left of its life, and grants a claim asked again by its owner with the same fence. By
+    /// default, `claim`; the Redis store does it with one `SET … NX GET` instead of a script.
+    fn claim_in_front<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        self.claim(request)
+    }
+
     /// Extends the lease to `duration` from now, if `lease`'s owner still holds the key. Never
     /// waits on a lock the handler's own transaction holds: answers [`Ownership::Busy`] instead.
     fn renew<'a>(
@@ -259,6 +274,13 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         (**self).claim(request)
+    }
+
+    fn claim_in_front<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        (**self).claim_in_front(request)
     }
 
     fn renew<'a>(

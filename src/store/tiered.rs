@@ -18,7 +18,9 @@ use crate::response::StoredResponse;
 /// the source of truth (`authority`, typically [`PostgresStore`](crate::store::PostgresStore)),
 /// with one owner token across both.
 ///
-/// - **Claim**: the front answers replays at once (one round trip); when it acquires, says the
+/// - **Claim**: the front answers replays at once (one round trip, a
+///   [`claim_in_front`](Store::claim_in_front): on Redis 7.0 and newer one `SET … NX GET`, no
+///   script); when it acquires, says the
 ///   key is in flight or finds another request's record (a mismatch), the authority is asked,
 ///   and its answer stands (so a claim that reached a frozen Redis late never hides a key the
 ///   authority completed, and a stale record never turns a request away). A key
@@ -144,7 +146,7 @@ impl<F: Store, A: Store> TieredStore<F, A> {
         request: &ClaimRequest,
         failed: Result<ClaimOutcome, StoreError>,
     ) -> Result<ClaimOutcome, StoreError> {
-        match self.front.claim(request).await {
+        match self.front.claim_in_front(request).await {
             Ok(replay @ ClaimOutcome::Completed { .. }) => {
                 self.breaker.succeeded();
                 Ok(replay)
@@ -166,7 +168,7 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
         Box::pin(async move {
             let front_allowed = self.breaker.allows();
             let front_lease = if front_allowed {
-                match self.front_result("claim", self.front.claim(request).await) {
+                match self.front_result("claim", self.front.claim_in_front(request).await) {
                     Some(ClaimOutcome::Acquired { fence }) => Some(request.lease_with_fence(fence)),
                     // A final answer the front holds: replays cost one round trip.
                     Some(answer @ ClaimOutcome::Completed { .. }) => return Ok(answer),

@@ -3,12 +3,15 @@
 //! its script. What the server has is asked once ([`RedisStore::offers`], which the doctor
 //! asks too), not read from its version string.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::{
+    sync::atomic::{AtomicU8, Ordering},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
 
 use ::redis::{ErrorKind, Pipeline, ServerErrorKind, Value};
 
 use super::{Node, RedisStore, STORE, record};
-use crate::store::{Lease, Ownership, StoreError};
+use crate::store::{ClaimOutcome, ClaimRequest, Lease, Ownership, StoreError};
 
 /// The compare-and-set commands a server has, as it says: a set of [`Offers::SET_IFEQ`],
 /// [`Offers::DELIFEQ`] and [`Offers::DELEX`].
@@ -22,6 +25,9 @@ impl Offers {
     pub(super) const DELIFEQ: Self = Self(2);
     /// `DELEX` (Redis 8.4): named by the doctor, not used yet.
     pub(super) const DELEX: Self = Self(4);
+    /// `SET … NX GET` (Redis 7.0, the release that brought `COMMAND DOCS`): the claim of a
+    /// store in front of an authority. Not a compare-and-set, so the doctor does not name it.
+    pub(super) const SET_NX_GET: Self = Self(8);
     const NAMES: [(Self, &'static str); 3] = [
         (Self::SET_IFEQ, "SET IFEQ"),
         (Self::DELIFEQ, "DELIFEQ"),
@@ -38,11 +44,15 @@ impl Offers {
         offered.map(|(_, name)| *name).collect()
     }
 
-    /// What `COMMAND DOCS SET` and `COMMAND INFO DELIFEQ DELEX` answered: `IFEQ` where the
-    /// first names it, each delete the second does not answer nil for. A reply that is an error
-    /// (a server older than `COMMAND DOCS`) offers nothing.
+    /// What `COMMAND DOCS SET` and `COMMAND INFO DELIFEQ DELEX` answered: `NX` with `GET`
+    /// where the first answers at all (Redis 7.0 brought both), `IFEQ` where it names it, each
+    /// delete the second does not answer nil for. A reply that is an error (a server older
+    /// than `COMMAND DOCS`) offers nothing.
     fn read(docs: &Value, info: &Value) -> Self {
         let mut offers = Self::default();
+        if matches!(docs, Value::Array(_) | Value::Map(_)) {
+            offers.0 |= Self::SET_NX_GET.0;
+        }
         if names(docs, "ifeq") {
             offers.0 |= Self::SET_IFEQ.0;
         }
@@ -135,6 +145,62 @@ impl RedisStore {
                 false
             }
         }
+    }
+
+    /// The claim of a store in front of an authority (see [`Store::claim_in_front`]): one
+    /// `SET … NX GET PX` and a `PTTL`, in one transaction (`MULTI`), instead of claim.lua. The
+    /// record is the one claim.lua writes, with the fence taken from this machine's clock: it
+    /// names the record (completion and release compare the whole of it), the authority's
+    /// fence is the handler's. `None` where the server has no `SET … NX GET` (or refuses it):
+    /// the caller runs claim.lua.
+    ///
+    /// [`Store::claim_in_front`]: crate::store::Store::claim_in_front
+    pub(super) async fn claim_by_command(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        if !self.offered(Offers::SET_NX_GET).await {
+            return Ok(None);
+        }
+        let since_epoch = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let fence = u64::try_from(since_epoch.as_micros()).unwrap_or(u64::MAX);
+        let corrupt = |reason: String| StoreError::corrupt(STORE, request.record(), reason);
+        let record = record::in_flight(request.fingerprint(), request.owner(), fence)
+            .ok_or_else(|| corrupt(format!("this machine's clock reads {fence} µs")))?;
+        let key = self.record_key(request.record());
+        let mut claim = ::redis::pipe();
+        claim.atomic();
+        claim.cmd("SET").arg(&key).arg(record).arg("NX").arg("GET");
+        claim.arg("PX").arg(super::millis(request.lease()));
+        claim.cmd("PTTL").arg(&key);
+        let reply = self
+            .call(async |connection| {
+                match claim
+                    .query_async::<(Option<Vec<u8>>, i64)>(connection)
+                    .await
+                {
+                    Err(error) if matches!(error.kind(), ErrorKind::Server(_)) => {
+                        tracing::debug!(%error, "Redis refused SET … NX GET: claim.lua claims");
+                        Ok(None)
+                    }
+                    reply => reply.map(Some),
+                }
+            })
+            .await?;
+        let Some((held, left)) = reply else {
+            self.known.refuse(Offers::SET_NX_GET);
+            return Ok(None);
+        };
+        let outcome = match held {
+            None => ClaimOutcome::Acquired { fence },
+            Some(held) => {
+                let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
+                super::read_record(&held, request, left).map_err(corrupt)?
+            }
+        };
+        Ok(Some(outcome))
     }
 
     /// Runs `command`, made from the lease's Redis key and the exact record its claim wrote, and

@@ -47,7 +47,11 @@ use crate::response::StoredResponse;
 /// matches), which costs the server a fraction of a script (see `BENCHMARKS.md`); on a server
 /// with `DELIFEQ` (Valkey 9.0 and newer) release is one `DELIFEQ` on that same record. The
 /// claim stays a script (it reads before it writes, so a replay is one call, and it draws the
-/// fence from the server's clock); `DELEX … IFEQ` (Redis 8.4) is not used yet. The records are
+/// fence from the server's clock), except in front of an authority
+/// ([`TieredStore`](crate::store::TieredStore), see [`Store::claim_in_front`]): there the
+/// authority's fence is the handler's, and the claim is one `SET … NX GET PX` and a `PTTL` in
+/// one transaction (Redis 7.0 and newer; a third to a half of the script's server time on a
+/// fresh key, about half on a replay). `DELEX … IFEQ` (Redis 8.4) is not used yet. The records are
 /// the same either way. The store asks the server which of them it has, once, before its first
 /// compare-and-set (`COMMAND DOCS SET`, `COMMAND INFO`: from what the server says, not from its
 /// version string; the doctor's version line asks the same); a server that then refuses one
@@ -361,6 +365,21 @@ impl Store for RedisStore {
                 .await?;
             let outcome = parse_claim(reply, request)
                 .map_err(|reason| StoreError::corrupt(STORE, request.record(), reason))?;
+            if let ClaimOutcome::Acquired { fence } = outcome {
+                request.note_written(fence);
+            }
+            Ok(outcome)
+        })
+    }
+
+    fn claim_in_front<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        Box::pin(async move {
+            let Some(outcome) = self.claim_by_command(request).await? else {
+                return self.claim(request).await;
+            };
             if let ClaimOutcome::Acquired { fence } = outcome {
                 request.note_written(fence);
             }
