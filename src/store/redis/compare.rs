@@ -8,7 +8,7 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use ::redis::{ErrorKind, Pipeline, ServerErrorKind, Value};
+use ::redis::{ErrorKind, Pipeline, RedisError, ServerErrorKind, Value};
 
 use super::{Node, RedisStore, STORE, record};
 use crate::store::{ClaimOutcome, ClaimRequest, Lease, Ownership, StoreError};
@@ -42,6 +42,23 @@ impl Offers {
     pub(super) fn names(self) -> Vec<&'static str> {
         let offered = Self::NAMES.iter().filter(|(command, _)| self.has(*command));
         offered.map(|(_, name)| *name).collect()
+    }
+
+    /// What the probe's replies say; an error of the moment (`LOADING`, a cluster failing
+    /// over) in either is the error, to ask again next time rather than take the server for
+    /// one that has none of them.
+    fn answered(replies: &[Value]) -> Result<Self, RedisError> {
+        for reply in replies {
+            if let Value::ServerError(error) = reply
+                && error.kind() != Some(ServerErrorKind::ResponseError)
+            {
+                return Err(error.clone().into());
+            }
+        }
+        Ok(match replies {
+            [docs, info] => Self::read(docs, info),
+            _ => Self::default(),
+        })
     }
 
     /// What `COMMAND DOCS SET` and `COMMAND INFO DELIFEQ DELEX` answered: `NX` with `GET`
@@ -117,12 +134,9 @@ impl RedisStore {
         probe.cmd("COMMAND").arg("INFO").arg("DELIFEQ").arg("DELEX");
         self.call(async |connection| {
             match connection.pipeline_on(node, &probe).await {
-                Ok(replies) => match replies.as_slice() {
-                    [docs, info] => Ok(Offers::read(docs, info)),
-                    _ => Ok(Offers::default()),
-                },
+                Ok(replies) => Offers::answered(&replies),
                 // A server that refuses the probe itself has none of them.
-                Err(error) if matches!(error.kind(), ErrorKind::Server(_)) => Ok(Offers::default()),
+                Err(error) if refusal(&error) => Ok(Offers::default()),
                 Err(error) => Err(error),
             }
         })
@@ -181,7 +195,7 @@ impl RedisStore {
                     .query_async::<(Option<Vec<u8>>, i64)>(connection)
                     .await
                 {
-                    Err(error) if matches!(error.kind(), ErrorKind::Server(_)) => {
+                    Err(error) if refusal(&error) => {
                         tracing::debug!(%error, "Redis refused SET … NX GET: claim.lua claims");
                         Ok(None)
                     }
@@ -224,7 +238,7 @@ impl RedisStore {
         let command = command(self.record_key(lease.record()), current);
         let reply = self
             .call(async |connection| match command.query_async(connection).await {
-                Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::ResponseError) => {
+                Err(error) if refusal(&error) => {
                     tracing::debug!(%error, "Redis refused a compare-and-set command: scripts do its work");
                     Ok(None)
                 }
@@ -290,6 +304,13 @@ impl RedisStore {
     }
 }
 
+/// Whether `error` says the server does not have what it was sent (`ERR`: an unknown command
+/// or argument; it wrote nothing), as opposed to an error of the moment (`LOADING`, `MOVED`,
+/// `CLUSTERDOWN`, …), which must not make the store give up a command for good.
+fn refusal(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+}
+
 /// A reply a compare-and-set `command` never gives.
 fn unexpected(lease: &Lease, command: &str, reply: &Value) -> StoreError {
     StoreError::corrupt(
@@ -297,4 +318,52 @@ fn unexpected(lease: &Lease, command: &str, reply: &Value) -> StoreError {
         lease.record(),
         format!("unexpected {command} reply {reply:?}"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(resp: &str) -> Value {
+        ::redis::parse_redis_value(resp.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn an_unknown_command_offers_nothing_and_an_error_of_the_moment_is_asked_again() {
+        let docs = reply("*2\r\n$3\r\nset\r\n*2\r\n$4\r\nifeq\r\n$2\r\nnx\r\n");
+        let info = reply("*2\r\n*1\r\n$7\r\ndelifeq\r\n_\r\n");
+        let offers = Offers::answered(&[docs.clone(), info]).unwrap();
+        assert_eq!(offers.names(), ["SET IFEQ", "DELIFEQ"]);
+        assert!(offers.has(Offers::SET_NX_GET));
+
+        // Redis 6.2: no `COMMAND DOCS`; `COMMAND INFO` answers nil for both deletes.
+        let unknown = reply("-ERR unknown subcommand 'DOCS'\r\n");
+        let none = reply("*2\r\n_\r\n_\r\n");
+        let offers = Offers::answered(&[unknown, none.clone()]).unwrap();
+        assert_eq!(offers, Offers::default());
+
+        for busy in [
+            "-LOADING loading the dataset\r\n",
+            "-CLUSTERDOWN the cluster is down\r\n",
+        ] {
+            let answered = Offers::answered(&[reply(busy), none.clone()]);
+            assert!(answered.is_err(), "{busy:?} was taken for an answer");
+        }
+    }
+
+    #[test]
+    fn only_an_err_reply_is_a_refusal() {
+        let error = |resp: &str| match reply(resp) {
+            Value::ServerError(error) => RedisError::from(error),
+            other => panic!("{other:?}"),
+        };
+        assert!(refusal(&error("-ERR syntax error\r\n")));
+        for moment in [
+            "-MOVED 3999 127.0.0.1:6381\r\n",
+            "-TRYAGAIN\r\n",
+            "-READONLY\r\n",
+        ] {
+            assert!(!refusal(&error(moment)), "{moment:?}");
+        }
+    }
 }
