@@ -49,10 +49,11 @@ impl Offers {
     /// one that has none of them.
     fn answered(replies: &[Value]) -> Result<Self, RedisError> {
         for reply in replies {
-            if let Value::ServerError(error) = reply
-                && error.kind() != Some(ServerErrorKind::ResponseError)
-            {
-                return Err(error.clone().into());
+            if let Value::ServerError(error) = reply {
+                let error = RedisError::from(error.clone());
+                if !refusal(&error) {
+                    return Err(error);
+                }
             }
         }
         Ok(match replies {

@@ -365,10 +365,7 @@ impl Store for RedisStore {
                 .await?;
             let outcome = parse_claim(reply, request)
                 .map_err(|reason| StoreError::corrupt(STORE, request.record(), reason))?;
-            if let ClaimOutcome::Acquired { fence } = outcome {
-                request.note_written(fence);
-            }
-            Ok(outcome)
+            Ok(noted(request, outcome))
         })
     }
 
@@ -377,13 +374,10 @@ impl Store for RedisStore {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         Box::pin(async move {
-            let Some(outcome) = self.claim_by_command(request).await? else {
-                return self.claim(request).await;
-            };
-            if let ClaimOutcome::Acquired { fence } = outcome {
-                request.note_written(fence);
+            match self.claim_by_command(request).await? {
+                Some(outcome) => Ok(noted(request, outcome)),
+                None => self.claim(request).await,
             }
-            Ok(outcome)
         })
     }
 
@@ -517,6 +511,15 @@ fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis())
         .unwrap_or(u64::MAX)
         .max(1)
+}
+
+/// `outcome`, once the request knows the fence of the record this store wrote for it, when it
+/// granted the claim: its leases finalize that exact record by compare-and-set.
+fn noted(request: &ClaimRequest, outcome: ClaimOutcome) -> ClaimOutcome {
+    if let ClaimOutcome::Acquired { fence } = outcome {
+        request.note_written(fence);
+    }
+    outcome
 }
 
 /// Reads claim.lua's reply; `Err` describes what is wrong with the record.
