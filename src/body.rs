@@ -211,14 +211,44 @@ where
     }))
 }
 
-/// Joins body chunks, without a copy when there is one.
-pub(crate) fn concat(chunks: Vec<Bytes>) -> Bytes {
-    match <[Bytes; 1]>::try_from(chunks) {
-        Ok([single]) => single,
-        Err(chunks) => {
-            let mut all = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
-            chunks.iter().for_each(|c| all.extend_from_slice(c));
-            all.freeze()
+/// Body chunks as they are read. The first is kept apart, so that a body that arrives in one
+/// chunk (most do) is gathered without a vector and joined without a copy.
+#[derive(Debug, Default)]
+pub(crate) struct Chunks {
+    first: Option<Bytes>,
+    rest: Vec<Bytes>,
+}
+
+impl Chunks {
+    /// Adds the next chunk.
+    pub(crate) fn push(&mut self, chunk: Bytes) {
+        match self.first {
+            None => self.first = Some(chunk),
+            Some(_) => self.rest.push(chunk),
         }
+    }
+
+    /// Joins the chunks, without a copy when there is one.
+    pub(crate) fn concat(self) -> Bytes {
+        match self.first {
+            None => Bytes::new(),
+            Some(first) if self.rest.is_empty() => first,
+            Some(first) => {
+                let len = first.len() + self.rest.iter().map(Bytes::len).sum::<usize>();
+                let mut all = BytesMut::with_capacity(len);
+                all.extend_from_slice(&first);
+                self.rest.iter().for_each(|c| all.extend_from_slice(c));
+                all.freeze()
+            }
+        }
+    }
+}
+
+impl IntoIterator for Chunks {
+    type Item = Bytes;
+    type IntoIter = std::iter::Chain<std::option::IntoIter<Bytes>, std::vec::IntoIter<Bytes>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.first.into_iter().chain(self.rest)
     }
 }

@@ -54,7 +54,10 @@ impl IdempotencyKey {
         if let Some(&byte) = key.iter().find(|b| !b.is_ascii_graphic()) {
             return Err(KeyError::InvalidCharacter { byte });
         }
-        Ok(Self(key.into_iter().map(char::from).collect()))
+        // Every byte is visible ASCII: the bytes are already the key's UTF-8.
+        Ok(Self(
+            String::from_utf8(key).expect("visible ASCII is UTF-8"),
+        ))
     }
 
     /// Reads the key from the request header `name`: `Ok(None)` when there is none, an error when

@@ -1,6 +1,8 @@
 //! The stored outcome of a request, and its binary encoding.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use std::{fmt, sync::Arc};
+
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
 /// What a completed request answered, as stored and replayed.
@@ -12,8 +14,15 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 /// A response that varies on request headers (`Vary: accept-encoding`, as a compression layer
 /// inside the idempotency layer sets it) also keeps the first request's values of those headers:
 /// a retry that sends them differently is not given a body negotiated for someone else.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredResponse {
+///
+/// Cloning one is cheap: the clones share its parts (a store that keeps the response it was
+/// given, as the memory store does, copies nothing).
+#[derive(Clone, PartialEq, Eq)]
+pub struct StoredResponse(Arc<Parts>);
+
+/// A stored response's parts, shared by its clones.
+#[derive(Clone, PartialEq, Eq)]
+struct Parts {
     status: StatusCode,
     headers: HeaderMap,
     body: Option<Bytes>,
@@ -29,13 +38,13 @@ impl StoredResponse {
         body: Option<Bytes>,
         trailers: Option<HeaderMap>,
     ) -> Self {
-        Self {
+        Self(Arc::new(Parts {
             status,
             headers,
             body,
             trailers,
             varied: HeaderMap::new(),
-        }
+        }))
     }
 
     /// A unit of work's outcome as the stores keep it: a 200 whose body is the serialized
@@ -46,38 +55,40 @@ impl StoredResponse {
 
     /// Records the first request's values of the headers the response's `Vary` names.
     pub fn with_varied_request_headers(mut self, varied: HeaderMap) -> Self {
-        self.varied = varied;
+        Arc::make_mut(&mut self.0).varied = varied;
         self
     }
 
     /// The response status.
     pub fn status(&self) -> StatusCode {
-        self.status
+        self.0.status
     }
 
     /// The stored response headers.
     pub fn headers(&self) -> &HeaderMap {
-        &self.headers
+        &self.0.headers
     }
 
     /// The body, or `None` if it was over the cache limit and was not stored.
     pub fn body(&self) -> Option<&Bytes> {
-        self.body.as_ref()
+        self.0.body.as_ref()
     }
 
     /// The trailers, if the response had any (gRPC responses always do).
     pub fn trailers(&self) -> Option<&HeaderMap> {
-        self.trailers.as_ref()
+        self.0.trailers.as_ref()
     }
 
     /// The first request's values of the request headers the response varies on (its `Vary`).
     pub fn varied_request_headers(&self) -> &HeaderMap {
-        &self.varied
+        &self.0.varied
     }
 
-    /// Splits the response into status, headers, body and trailers.
+    /// Splits the response into status, headers, body and trailers (copies of them if clones
+    /// of this response are still about).
     pub fn into_parts(self) -> (StatusCode, HeaderMap, Option<Bytes>, Option<HeaderMap>) {
-        (self.status, self.headers, self.body, self.trailers)
+        let parts = Arc::unwrap_or_clone(self.0);
+        (parts.status, parts.headers, parts.body, parts.trailers)
     }
 
     /// Encodes the response in the crate's versioned binary format, the form stores keep.
@@ -86,25 +97,26 @@ impl StoredResponse {
     /// are varints) and starts with a magic and a version, so a record written by another
     /// version is reported, not misread.
     pub fn encode(&self) -> Bytes {
-        let body_len = self.body.as_ref().map_or(0, Bytes::len);
-        let mut out = BytesMut::with_capacity(16 + body_len + 48 * self.headers.len());
+        let parts = &*self.0;
+        let body_len = parts.body.as_ref().map_or(0, Bytes::len);
+        let mut out = BytesMut::with_capacity(16 + body_len + 48 * parts.headers.len());
         out.put_slice(MAGIC);
         out.put_u8(VERSION);
-        out.put_u16(self.status.as_u16());
-        let flags = u8::from(self.body.is_some())
-            | u8::from(self.trailers.is_some()) << 1
-            | u8::from(!self.varied.is_empty()) << 2;
+        out.put_u16(parts.status.as_u16());
+        let flags = u8::from(parts.body.is_some())
+            | u8::from(parts.trailers.is_some()) << 1
+            | u8::from(!parts.varied.is_empty()) << 2;
         out.put_u8(flags);
-        put_fields(&mut out, &self.headers);
-        if let Some(body) = &self.body {
+        put_fields(&mut out, &parts.headers);
+        if let Some(body) = &parts.body {
             put_varint(&mut out, body.len() as u64);
             out.put_slice(body);
         }
-        if let Some(trailers) = &self.trailers {
+        if let Some(trailers) = &parts.trailers {
             put_fields(&mut out, trailers);
         }
-        if !self.varied.is_empty() {
-            put_fields(&mut out, &self.varied);
+        if !parts.varied.is_empty() {
+            put_fields(&mut out, &parts.varied);
         }
         out.freeze()
     }
@@ -147,6 +159,19 @@ impl StoredResponse {
             return Err(DecodeError::TrailingBytes);
         }
         Ok(Self::new(status, headers, body, trailers).with_varied_request_headers(varied))
+    }
+}
+
+impl fmt::Debug for StoredResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts = &*self.0;
+        f.debug_struct("StoredResponse")
+            .field("status", &parts.status)
+            .field("headers", &parts.headers)
+            .field("body", &parts.body)
+            .field("trailers", &parts.trailers)
+            .field("varied", &parts.varied)
+            .finish()
     }
 }
 

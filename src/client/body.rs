@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 
 use crate::{
-    body::{concat, poll_to_bytes},
+    body::{Chunks, poll_to_bytes},
     store::BoxError,
 };
 
@@ -68,19 +68,19 @@ where
         return Ok(Read::TooLarge(ClientBody::once(body)));
     }
     let mut body = body;
-    let (mut read, mut len) = (VecDeque::new(), 0);
+    let (mut read, mut len) = (Chunks::default(), 0);
     while let Some(frame) = pin!(&mut body).frame().await {
         let Ok(mut data) = frame.map_err(Into::into)?.into_data() else {
             continue;
         };
         let data = data.copy_to_bytes(data.remaining());
         len += data.len();
-        read.push_back(data);
+        read.push(data);
         if len > limit {
-            return Ok(Read::TooLarge(prefixed(read, body)));
+            return Ok(Read::TooLarge(prefixed(read.into_iter().collect(), body)));
         }
     }
-    Ok(Read::Whole(concat(Vec::from(read))))
+    Ok(Read::Whole(read.concat()))
 }
 
 fn prefixed<B>(read: VecDeque<Bytes>, rest: B) -> ClientBody<B> {

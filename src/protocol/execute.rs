@@ -18,7 +18,7 @@ use tower_service::Service;
 use super::{Caller, Engine, Outcome, Reply};
 use crate::{
     IdempotencyKey, IdempotencyOutcome,
-    body::{LiveFrame, RequestBody, ResponseBody, concat},
+    body::{Chunks, LiveFrame, RequestBody, ResponseBody},
     grpc::Wire,
     headers::varied_request_headers,
     policy::Completion,
@@ -108,7 +108,7 @@ enum Read {
 
 /// What was read of a response when it went past the cache limit.
 struct PastLimit {
-    read: Vec<Bytes>,
+    read: Chunks,
     overflow: Bytes,
     trailers: Option<HeaderMap>,
     len: usize,
@@ -121,7 +121,7 @@ where
     B::Error: Into<BoxError>,
 {
     let limit = engine.settings.store_rules.max_body;
-    let (mut read, mut len, mut trailers) = (Vec::new(), 0, None);
+    let (mut read, mut len, mut trailers) = (Chunks::default(), 0, None);
     loop {
         match next_frame(body.as_mut()).await {
             Next::Data(overflow) if len + overflow.len() > limit => {
@@ -139,7 +139,7 @@ where
             }
             Next::Trailers(t) => trailers = Some(t),
             Next::End => {
-                let data = concat(read);
+                let data = read.concat();
                 return Read::Whole { data, trailers };
             }
             Next::Failed(_) => return Read::Failed,

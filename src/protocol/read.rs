@@ -7,7 +7,7 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError};
 
 use crate::{
-    body::concat, fingerprint::Fingerprint, fingerprint::FingerprintHasher, problem::Rejection,
+    body::Chunks, fingerprint::Fingerprint, fingerprint::FingerprintHasher, problem::Rejection,
     settings::Settings, store::BoxError,
 };
 
@@ -30,7 +30,7 @@ where
     let mut hasher = FingerprintHasher::new(parts, &settings.fingerprint_headers);
     let hashing = settings.fingerprint_body.is_none().then_some(&mut hasher);
     let read = within_deadline(settings.request_body_timeout, collect(body, limit, hashing));
-    let body = concat(read.await?);
+    let body = read.await?.concat();
     let fingerprint = match &settings.fingerprint_body {
         None => hasher.finish(),
         Some(hook) => {
@@ -47,13 +47,13 @@ async fn collect<B>(
     body: B,
     limit: usize,
     mut hasher: Option<&mut FingerprintHasher>,
-) -> Result<Vec<Bytes>, Rejection>
+) -> Result<Chunks, Rejection>
 where
     B: Body,
     B::Error: Into<BoxError>,
 {
     let mut body = pin!(body);
-    let (mut chunks, mut len) = (Vec::new(), 0);
+    let (mut chunks, mut len) = (Chunks::default(), 0);
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|error| {
             let error: BoxError = error.into();

@@ -111,7 +111,7 @@ struct Entry {
 enum EntryState {
     InFlight,
     Completed {
-        response: Arc<StoredResponse>,
+        response: StoredResponse,
         bytes: usize,
         completed_at: Instant,
     },
@@ -387,7 +387,7 @@ impl State {
         let expires_at = now + retention;
         entry.expires_at = expires_at;
         entry.state = EntryState::Completed {
-            response: Arc::new(response.clone()),
+            response: response.clone(),
             bytes,
             completed_at: now,
         };
@@ -522,7 +522,7 @@ impl Entry {
                 retry_after: self.expires_at - now,
             },
             EntryState::Completed { response, .. } => ClaimOutcome::Completed {
-                response: Box::new(StoredResponse::clone(response)),
+                response: Box::new(response.clone()),
                 expires_in: self.expires_at - now,
             },
             EntryState::Tombstone {
