@@ -1,8 +1,8 @@
 //! The stored outcome of a request, and its binary encoding.
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::{fmt, sync::Arc};
 
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
 /// What a completed request answered, as stored and replayed.
