@@ -30,8 +30,8 @@ use tower_idempotency::{
     completer::KeptRequests,
     scope::ANONYMOUS_SCOPE,
     store::{
-        ClaimOutcome, DISTRIBUTE_ON_CITUS, MIGRATOR, Ownership, PostgresStore, RecordKey,
-        RecordState, Severity, Store,
+        ClaimOutcome, ClaimRequest, DISTRIBUTE_ON_CITUS, Lease, MIGRATOR, Ownership, PostgresStore,
+        RecordKey, RecordState, Severity, Store,
     },
 };
 
@@ -646,11 +646,11 @@ async fn citus_keys_on_live_workers_are_served_while_the_coordinator_is_down() {
     };
     let prefix = uuid::Uuid::new_v4().simple().to_string();
     // A first request reads the map (in the background): the next ones follow it.
-    assert_eq!(
-        send(format!("{prefix}-first")).await.status(),
-        StatusCode::CREATED
-    );
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let first = format!("{prefix}-first");
+    assert_eq!(send(first.clone()).await.status(), StatusCode::CREATED);
+    let worker = cluster.shard_of("idempotency_keys", &first).await.1;
+    let lease = claim_request(&first, Duration::from_secs(1)).lease_with_fence(1);
+    until_routed(&store, &lease, u16::try_from(worker).unwrap()).await;
 
     cluster.coordinator.stop_server();
     let keys: Vec<String> = (0..100).map(|n| format!("{prefix}-{n}")).collect();
@@ -739,11 +739,12 @@ async fn citus_a_worker_is_reached_where_with_citus_node_says() {
         let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
         options.host(host).port(port)
     };
-    // The map is read in the background, on the first statement.
-    let settle = async |store: &PostgresStore| {
+    // The map is read in the background, on the first statement: `request`'s statements go
+    // where the map routes them (to `port`) from then on.
+    let settle = async |store: &PostgresStore, request: &ClaimRequest, port: u16| {
         let warm = claim_request("warm-up", Duration::from_secs(1));
         let _ = store.claim(&warm).await;
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        until_routed(store, &request.lease_with_fence(1), port).await;
     };
 
     let nowhere = support::free_port();
@@ -752,8 +753,8 @@ async fn citus_a_worker_is_reached_where_with_citus_node_says() {
         worker,
         options("127.0.0.1", nowhere),
     );
-    settle(&wrong).await;
     let request = claim_request(&key(0).await, Duration::from_secs(1));
+    settle(&wrong, &request, nowhere).await;
     assert!(
         wrong.claim(&request).await.is_err(),
         "the override was not used"
@@ -764,8 +765,8 @@ async fn citus_a_worker_is_reached_where_with_citus_node_says() {
         worker,
         options("localhost", worker),
     );
-    settle(&renamed).await;
     let request = claim_request(&key(1).await, Duration::from_secs(1));
+    settle(&renamed, &request, worker).await;
     assert!(matches!(
         renamed.claim(&request).await.unwrap(),
         ClaimOutcome::Acquired { .. }
@@ -793,16 +794,22 @@ async fn citus_pool_for_answers_outside_a_runtime() {
     assert!(ports.contains(&port), "{port} is none of {ports:?}");
     // Inside the runtime the map is read, in the background, and then the key's worker answers.
     let worker = cluster.shard_of("idempotency_keys", "outside").await.1;
+    until_routed(&store, &lease, u16::try_from(worker).unwrap()).await;
+}
+
+/// Waits, up to 10 s, until the store sends `lease`'s statements to the pool at `port`: the
+/// shard map is read in the background, after the store's first statement, and on a loaded
+/// machine that takes longer than any fixed pause.
+async fn until_routed(store: &PostgresStore, lease: &Lease, port: u16) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let port = store.pool_for(&lease).connect_options().get_port();
-        if i32::from(port) == worker {
-            break;
+        let routed = store.pool_for(lease).connect_options().get_port();
+        if routed == port {
+            return;
         }
-        let late = std::time::Instant::now() > deadline;
         assert!(
-            !late,
-            "after 10 s, the key's pool is on {port}, its worker {worker}"
+            std::time::Instant::now() < deadline,
+            "after 10 s, the key's pool is on {routed}, not {port}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -866,11 +873,7 @@ async fn citus_claims_and_completions_of_one_shard_share_a_statement_each_with_i
     let stale = acquire(&store, &claim_request(gone, Duration::from_millis(100))).await;
     // Until the shard map is read, statements go to the coordinator, one by one.
     let worker = cluster.shard_of("idempotency_keys", done).await.1;
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while i32::from(store.pool_for(&lease).connect_options().get_port()) != worker {
-        assert!(std::time::Instant::now() < deadline, "no shard map");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_routed(&store, &lease, u16::try_from(worker).unwrap()).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
 
     let mut requests = vec![
