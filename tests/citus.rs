@@ -617,33 +617,16 @@ async fn citus_worker_hash_is_postgres_hashtext() {
 /// for keys on live workers go on while the coordinator is stopped. Fresh keys run once each
 /// (counted in a co-located business table, written with the fence in one transaction on the
 /// key's worker, `pool_for`), their retries replay; the sweeper, which reads every shard
-/// through the coordinator, fails until it is back.
+/// through the coordinator, fails until it is back. An instance started during the outage,
+/// told where the workers are (`with_citus_node`), reads the map from one of them and serves
+/// too: other keys once each, and the first instance's keys replayed.
 async fn citus_keys_on_live_workers_are_served_while_the_coordinator_is_down() {
     let mut cluster = CitusCluster::start(2).await;
     distribute(&cluster.url()).await;
     let admin = pool(&cluster.url()).await;
     business_tables(&admin).await;
     let store = PostgresStore::new(admin.clone()).on_citus();
-    let handler = {
-        let store = store.clone();
-        move |claim: IdempotencyClaim, _: String| async move {
-            pay_on_its_worker(&store, &claim).await;
-            StatusCode::CREATED
-        }
-    };
-    let app = Router::new()
-        .route("/orders", post(handler))
-        .layer(IdempotencyLayer::new(store.clone()));
-    let send = |key: String| {
-        let app = app.clone();
-        async move {
-            let request = Request::post("/orders")
-                .header("idempotency-key", key)
-                .body(Body::from("order"))
-                .unwrap();
-            app.oneshot(request).await.unwrap()
-        }
-    };
+    let send = orders_app(&store);
     let prefix = uuid::Uuid::new_v4().simple().to_string();
     // A first request reads the map (in the background): the next ones follow it.
     let first = format!("{prefix}-first");
@@ -654,21 +637,43 @@ async fn citus_keys_on_live_workers_are_served_while_the_coordinator_is_down() {
 
     cluster.coordinator.stop_server();
     let keys: Vec<String> = (0..100).map(|n| format!("{prefix}-{n}")).collect();
-    for round in ["fresh", "replayed"] {
+    let expect = async |send: &SendOrder, keys: &[String], round: &str| {
         let answers = futures_util::future::join_all(keys.iter().cloned().map(send)).await;
         for (key, answer) in keys.iter().zip(answers) {
             assert_eq!(answer.status(), StatusCode::CREATED, "{round} {key}");
             let replayed = answer.headers().get("idempotent-replayed").is_some();
             assert_eq!(replayed, round == "replayed", "{round} {key}");
         }
-    }
+    };
+    expect(&send, &keys, "fresh").await;
+    expect(&send, &keys, "replayed").await;
     assert!(
         store.sweep().await.is_err(),
         "the sweeper needs the coordinator"
     );
+
+    // A new instance: its pool on the coordinator (down), the workers named.
+    let coordinator = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_lazy(&cluster.url())
+        .unwrap();
+    let mut started = PostgresStore::new(coordinator).on_citus();
+    for node in &cluster.workers {
+        let options: sqlx::postgres::PgConnectOptions = node.url().parse().unwrap();
+        started = started.with_citus_node("127.0.0.1", node.port, options);
+    }
+    let on_started = orders_app(&started);
+    // Its first request goes to the coordinator and fails; the map is then read from a worker.
+    let refused = on_started(format!("{prefix}-started-first")).await;
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    until_routed(&started, &lease, u16::try_from(worker).unwrap()).await;
+    let others: Vec<String> = (0..50).map(|n| format!("{prefix}-started-{n}")).collect();
+    expect(&on_started, &others, "fresh").await;
+    expect(&on_started, &others, "replayed").await;
+    expect(&on_started, &keys, "replayed").await;
     cluster.coordinator.start_server().await;
 
-    // Counted at the destination: one order per key.
+    // Counted at the destination: one order per key, none for the refused one.
     let admin = pool(&cluster.url()).await;
     let (rows, distinct): (i64, i64) = sqlx::query_as(
         "SELECT count(*), count(DISTINCT key) FROM orders WHERE key LIKE $1 || '-%'",
@@ -677,8 +682,39 @@ async fn citus_keys_on_live_workers_are_served_while_the_coordinator_is_down() {
     .fetch_one(&admin)
     .await
     .unwrap();
-    assert_eq!((rows, distinct), (101, 101), "one order per key");
+    assert_eq!((rows, distinct), (151, 151), "one order per key");
     store.sweep().await.unwrap();
+}
+
+/// Sends a POST /orders with the key given to an app whose handler pays the order on the key's
+/// worker (`pay_on_its_worker`), behind the layer on `store`.
+type SendOrder = Box<
+    dyn Fn(String) -> futures_util::future::BoxFuture<'static, axum::response::Response>
+        + Send
+        + Sync,
+>;
+
+fn orders_app(store: &PostgresStore) -> SendOrder {
+    let handler = {
+        let store = store.clone();
+        move |claim: IdempotencyClaim, _: String| async move {
+            pay_on_its_worker(&store, &claim).await;
+            StatusCode::CREATED
+        }
+    };
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .layer(IdempotencyLayer::new(store.clone()));
+    Box::new(move |key: String| {
+        let app = app.clone();
+        Box::pin(async move {
+            let request = Request::post("/orders")
+                .header("idempotency-key", key)
+                .body(Body::from("order"))
+                .unwrap();
+            app.oneshot(request).await.unwrap()
+        })
+    })
 }
 
 /// Each node reads its own clock, so a key is taken as expired only once its expiry is past by

@@ -265,7 +265,8 @@ impl PostgresStore {
     /// the key's shard.
     ///
     /// The store reads the shard map from Citus's metadata (from the coordinator, or from a
-    /// worker while the coordinator is down: every node has it), hashes each key as Citus does,
+    /// worker while the coordinator is down: every node has it; a store that has read no map yet
+    /// asks the workers named with [`with_citus_node`](Self::with_citus_node)), hashes each key as Citus does,
     /// and keeps connections of its own to each worker (up to
     /// [`with_max_connections`](Self::with_max_connections) per worker, made on first use, with
     /// the pool's connect options at the worker's address, or [`with_citus_node`](Self::with_citus_node)'s).
@@ -308,6 +309,12 @@ impl PostgresStore {
     /// On Citus: connect to the node the metadata names `host`:`port` (`pg_dist_node`) with
     /// `options` instead of the pool's options at that address: a worker behind another
     /// address, or with other credentials.
+    ///
+    /// A node named here is also where the store reads the shard map when the coordinator does
+    /// not answer and it has read no map yet: an instance started while the coordinator is
+    /// down serves the keys of the live workers it was told of. Name each worker (with its own
+    /// address in `options` when it needs no other) for instances to start without the
+    /// coordinator; until a map is read their statements go to the coordinator and fail.
     pub fn with_citus_node(mut self, host: &str, port: u16, options: PgConnectOptions) -> Self {
         let mut nodes = self.citus_nodes.to_vec();
         nodes.retain(|((h, p), _)| (h.as_str(), *p) != (host, port));

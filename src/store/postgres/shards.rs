@@ -9,7 +9,8 @@
 //! made before a move) forwards the statement to the one that does, so a stale map costs a hop,
 //! never a wrong write. The map is read again every [`REFRESH`], and soon after a statement
 //! fails on a route; until the first map is read (or when there is none to read) statements go
-//! to the coordinator.
+//! to the coordinator. While the coordinator is down the map is read from a worker: one of the
+//! last map's, or one the store was told of, for a store that has read none yet.
 
 use std::{
     collections::HashMap,
@@ -245,13 +246,20 @@ impl Routes {
         });
     }
 
-    /// Reads the map from the coordinator, or from the nodes of the last map when the
-    /// coordinator fails (every node has the metadata).
+    /// Reads the map from the coordinator or, when the coordinator fails, from another node
+    /// (every node has the metadata): the nodes of the last map, then the nodes the store was
+    /// told of (`with_citus_node`), which is how a store that has read no map yet finds one.
     async fn read(&self, coordinator: &Connections) -> Result<(), sqlx::Error> {
         let mut result = self.read_from(coordinator).await;
         if result.is_err() {
             let last = self.map();
-            for address in last.iter().flat_map(|map| map.nodes.iter()) {
+            let mut others: Vec<&Address> = last.iter().flat_map(|map| &map.nodes).collect();
+            for (address, _) in self.overrides.iter() {
+                if !others.contains(&address) {
+                    others.push(address);
+                }
+            }
+            for address in others {
                 result = self
                     .read_from(&self.connections(address, Plans::Custom))
                     .await;
