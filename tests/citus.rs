@@ -108,6 +108,7 @@ fn main() -> std::process::ExitCode {
         citus_a_worker_is_reached_where_with_citus_node_says,
         citus_pool_for_answers_outside_a_runtime,
         citus_claims_and_completions_of_one_shard_share_a_statement_each_with_its_own_answer,
+        citus_fences_stay_index_lookups_after_the_table_grew_from_empty,
     ]);
     support::run(tests)
 }
@@ -315,8 +316,8 @@ async fn citus_fences_grow_per_key_across_releases_reclaims_and_a_moved_shard() 
 }
 
 /// The doctor on a Citus coordinator: a local table, a distributed one with a store not built
-/// for it, one whose fence functions a later migration put back in the form Citus cannot route,
-/// and all as it should be.
+/// for it, all as it should be, fence functions in an earlier Citus form (slower), and fence
+/// functions a later migration put back in the form Citus cannot route.
 async fn the_doctor_knows_a_citus_coordinator_and_how_the_table_is_distributed() {
     let cluster = CitusCluster::start(1).await;
     let pool = pool(&cluster.url()).await;
@@ -361,6 +362,21 @@ async fn the_doctor_knows_a_citus_coordinator_and_how_the_table_is_distributed()
     let (severity, message) = clocks(&strict).await;
     assert_eq!(severity, Severity::Risk, "{message}");
     assert!(message.contains("with_clock_skew"), "{message}");
+
+    // The fence functions as an earlier DISTRIBUTE_ON_CITUS made them: planning every call.
+    for function in ["idempotency_commit", "idempotency_advance"] {
+        let earlier = format!(
+            "ALTER FUNCTION {function} RESET ALL;
+             ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan"
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(earlier))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let (severity, message) = finding(&citus).await;
+    assert_eq!(severity, Severity::Warning, "{message}");
+    assert!(message.contains("earlier Citus form"), "{message}");
 
     // A later migration that replaces the fence function with the one-Postgres form.
     let plpgsql = MIGRATOR.iter().find(|m| m.version == 20261202000000);
@@ -1029,3 +1045,91 @@ async fn citus_claims_and_completions_of_one_shard_share_a_statement_each_with_i
     assert_eq!(at_once(false).await, vec![Ownership::Held; 8], "renewals");
     assert_eq!(at_once(true).await, vec![Ownership::Held; 8], "releases");
 }
+
+/// The fence runs in the application's session, where the store chooses nothing about how
+/// statements are planned: its function keeps one plan per session, pruned to the key's shard
+/// on each call, and that plan must stay a primary-key lookup after the table grew from empty
+/// (a fresh deployment). On a cluster of its own (its table starts empty), one application
+/// session on the worker: 51 fences after 200,000 rows arrived make no sequential scan of the
+/// shards, nor do the store's claims and completions around them.
+async fn citus_fences_stay_index_lookups_after_the_table_grew_from_empty() {
+    let cluster = CitusCluster::start(1).await;
+    distribute(&cluster.url()).await;
+    let admin = pool(&cluster.url()).await;
+    sqlx::query("ANALYZE idempotency_keys")
+        .execute(&admin)
+        .await
+        .unwrap();
+    let worker = &cluster.workers[0];
+    let application = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&worker.url())
+        .await
+        .unwrap();
+    // The shards' statistics, which Citus hides from other sessions' catalog queries.
+    let shards: sqlx::postgres::PgConnectOptions = worker.url().parse().unwrap();
+    let shards = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(shards.options([("citus.override_table_visibility", "false")]))
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool(&cluster.url()).await)
+        .on_citus()
+        .with_max_connections(1);
+    let lease = acquire(&store, &claim_request("warm-up", LONG)).await;
+    until_routed(&store, &lease, worker.port).await;
+
+    let mut n = 0;
+    let mut claim_and_fence = async || {
+        n += 1;
+        let lease = acquire(&store, &claim_request(&format!("k-{n}"), LONG)).await;
+        let mut tx = application.begin().await.unwrap();
+        let claim = IdempotencyClaim::new(lease.clone(), LONG);
+        claim.commit(&mut tx).await.unwrap();
+        tx.commit().await.unwrap();
+        let completed = store.complete(&lease, &answer_done(), LONG).await.unwrap();
+        assert_eq!(completed, Ownership::Held);
+    };
+    // More than the five executions after which Postgres may settle on a generic plan.
+    for _ in 0..10 {
+        claim_and_fence().await;
+    }
+    sqlx::query(
+        "INSERT INTO idempotency_keys (scope, key, fingerprint, state, owner, fence, lease_until,
+                                       expires_at, status, response)
+         SELECT 'grown', 'g' || i, '\\x00', 'completed', gen_random_uuid(), i, now(),
+                now() + interval '1 day', 200, '\\x00'
+         FROM generate_series(1, 200000) AS i",
+    )
+    .execute(&admin)
+    .await
+    .unwrap();
+    // Statistics reach the collector from each session at most once a second, at the end of
+    // a transaction: wait, and end one on each session.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    claim_and_fence().await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let before = shard_scans(&shards).await;
+    for _ in 0..50 {
+        claim_and_fence().await;
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    claim_and_fence().await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let after = shard_scans(&shards).await;
+    assert_eq!(after.0 - before.0, 0, "sequential scans of a grown table");
+    assert!(after.1 - before.1 >= 51, "{before:?} → {after:?}");
+}
+
+/// Sequential and index scans of `idempotency_keys`' shards on the node so far.
+async fn shard_scans(node: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT sum(seq_scan)::int8, sum(coalesce(idx_scan, 0))::int8 FROM pg_stat_user_tables
+         WHERE relname ~ '^idempotency_keys_[0-9]+$'",
+    )
+    .fetch_one(node)
+    .await
+    .unwrap()
+}
+
+const LONG: Duration = Duration::from_secs(60);

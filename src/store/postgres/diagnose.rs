@@ -127,15 +127,19 @@ impl PostgresStore {
                     (SELECT string_agg(o.logicalrelid::text, ', ' ORDER BY o.logicalrelid::text)
                      FROM pg_dist_partition o
                      WHERE o.colocationid = p.colocationid AND o.logicalrelid <> p.logicalrelid),
-                    (SELECT coalesce(bool_and(c LIKE 'plan_cache_mode=force_custom_plan'), false)
-                     FROM pg_proc f, unnest(f.proconfig) c
-                     WHERE f.proname IN ('idempotency_commit', 'idempotency_advance')
-                       AND c LIKE 'plan_cache_mode=%')
+                    (SELECT CASE
+                         WHEN bool_and('citus.multi_task_query_log_level=error' = ANY (f.proconfig))
+                             THEN 'routed'
+                         WHEN bool_and('plan_cache_mode=force_custom_plan' = ANY (f.proconfig))
+                             THEN 'planned each call'
+                         ELSE 'one Postgres' END
+                     FROM pg_proc f
+                     WHERE f.proname IN ('idempotency_commit', 'idempotency_advance'))
              FROM pg_dist_partition p WHERE p.logicalrelid = 'idempotency_keys'::regclass",
         );
-        let layout: Option<(String, i64, Option<String>, bool)> =
+        let layout: Option<(String, i64, Option<String>, String)> =
             self.bounded(layout.fetch_optional(&self.pool)).await?;
-        let Some((column, shards, colocated, routed_fence)) = layout else {
+        let Some((column, shards, colocated, fence)) = layout else {
             let message = "a Citus coordinator, with idempotency_keys a local table on it: run \
                            DISTRIBUTE_ON_CITUS to shard it over the workers";
             return Ok(Some((Severity::Warning, message.into())));
@@ -143,12 +147,18 @@ impl PostgresStore {
         let colocated = colocated.unwrap_or_else(|| "no other table".into());
         let layout =
             format!("distributed by {column} in {shards} shards, co-located with {colocated}");
-        Ok(Some(if !routed_fence {
+        Ok(Some(if fence == "one Postgres" {
             let message = format!(
                 "{layout}; the fence functions are not the form Citus routes, so fences fail: \
                  run DISTRIBUTE_ON_CITUS again after the migrations"
             );
             (Severity::Risk, message)
+        } else if fence == "planned each call" {
+            let message = format!(
+                "{layout}; the fence functions are an earlier Citus form, which plans every \
+                 call (twice the cost of a fence): run DISTRIBUTE_ON_CITUS again"
+            );
+            (Severity::Warning, message)
         } else if !self.distributed {
             let message = format!(
                 "{layout}; the store is not built with on_citus: its batches span shards \
