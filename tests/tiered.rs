@@ -10,7 +10,10 @@ use support::{
 };
 use tower_idempotency::{
     store::StoredResponse,
-    store::{ClaimOutcome, ClaimRequest, Ownership, PostgresStore, RedisStore, Store, TieredStore},
+    store::{
+        CachedStore, ClaimOutcome, ClaimRequest, Ownership, PostgresStore, RedisStore, Store,
+        TieredStore,
+    },
 };
 use uuid::Uuid;
 
@@ -86,6 +89,33 @@ async fn the_front_claims_by_command_and_completes_by_compare_and_set_where_it_c
     );
     let completions_scripted = if server.has_set_ifeq().await { 0 } else { 3 };
     assert_eq!(counts, (completions_scripted, 3 + 3 + 3, 3 + 3));
+}
+
+/// A replay cache around the front (`TieredStore::new(CachedStore::new(redis), postgres)`)
+/// keeps the front's claim without a script: each fresh key's claim is one `SET` in a
+/// transaction, as with Redis alone in front.
+#[tokio::test]
+async fn a_cached_front_claims_by_command_too() {
+    let server = RedisServer::start().await;
+    let schema = TestSchema::new().await;
+    let redis = RedisStore::open(&server.url()).unwrap();
+    let front = CachedStore::new(redis.clone());
+    let store = TieredStore::new(front, PostgresStore::new(schema.pool.clone()));
+    let complete = async |key: &str| {
+        let (lease, response) = (acquire(&store, &request(key)).await, created());
+        let completed = store.complete(&lease, &response, Duration::from_secs(3600));
+        assert_eq!(completed.await.unwrap(), Ownership::Held);
+    };
+    complete("k-warm-up").await;
+    server.reset_stats().await;
+
+    for key in ["k-cached-1", "k-cached-2", "k-cached-3"] {
+        complete(key).await;
+    }
+    // Scripts run only for completions, and only where the server has no `SET … IFEQ`.
+    let completions_scripted = if server.has_set_ifeq().await { 0 } else { 3 };
+    let counts = (server.calls("evalsha").await, server.calls("exec").await);
+    assert_eq!(counts, (completions_scripted, 3));
 }
 
 #[tokio::test]

@@ -380,6 +380,32 @@ impl<S: Store> CachedStore<S> {
             self.send(watch);
         }
     }
+
+    /// A claim answered from memory when this process holds the key's answer, else by
+    /// `claim` (the inner store's), whose replay is kept.
+    async fn claimed<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+        claim: impl FnOnce() -> BoxFuture<'a, Result<ClaimOutcome, StoreError>>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        if let Some(replay) = self.cached(request) {
+            return Ok(replay);
+        }
+        let outcome = claim().await?;
+        if let ClaimOutcome::Completed {
+            response,
+            expires_in,
+        } = &outcome
+        {
+            self.keep(
+                request.shared_record(),
+                *request.fingerprint(),
+                response,
+                (*expires_in, true),
+            );
+        }
+        Ok(outcome)
+    }
 }
 
 impl Cache {
@@ -433,25 +459,16 @@ impl<S: Store> Store for CachedStore<S> {
         &'a self,
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
-        Box::pin(async move {
-            if let Some(replay) = self.cached(request) {
-                return Ok(replay);
-            }
-            let outcome = self.inner.claim(request).await?;
-            if let ClaimOutcome::Completed {
-                response,
-                expires_in,
-            } = &outcome
-            {
-                self.keep(
-                    request.shared_record(),
-                    *request.fingerprint(),
-                    response,
-                    (*expires_in, true),
-                );
-            }
-            Ok(outcome)
-        })
+        Box::pin(self.claimed(request, || self.inner.claim(request)))
+    }
+
+    /// In front of an authority too: the inner store's own claim in front (no script on
+    /// Redis), with the same answers kept and served.
+    fn claim_in_front<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        Box::pin(self.claimed(request, || self.inner.claim_in_front(request)))
     }
 
     fn renew<'a>(
