@@ -109,6 +109,7 @@ fn main() -> std::process::ExitCode {
         citus_pool_for_answers_outside_a_runtime,
         citus_claims_and_completions_of_one_shard_share_a_statement_each_with_its_own_answer,
         citus_fences_stay_index_lookups_after_the_table_grew_from_empty,
+        citus_renewals_answer_held_lost_and_busy_without_waiting,
     ]);
     support::run(tests)
 }
@@ -1119,6 +1120,68 @@ async fn citus_fences_stay_index_lookups_after_the_table_grew_from_empty() {
     let after = shard_scans(&shards).await;
     assert_eq!(after.0 - before.0, 0, "sequential scans of a grown table");
     assert!(after.1 - before.1 >= 51, "{before:?} → {after:?}");
+}
+
+/// Renewals on Citus (a flat statement Citus plans once, in a transaction that waits at most
+/// 10 ms for the row), on sessions that refuse any multi-shard statement: held for their owner,
+/// lost for a key another owner took over, and busy at once for a row another transaction
+/// holds, then held once it is let go; renewed at the destination.
+async fn citus_renewals_answer_held_lost_and_busy_without_waiting() {
+    let cluster = cluster().await;
+    let store = PostgresStore::new(pool(&cluster.single_shard_url()).await)
+        .on_citus()
+        .with_clock_skew(Duration::ZERO);
+    let admin = pool(&cluster.url()).await;
+    let prefix = uuid::Uuid::new_v4().simple().to_string();
+    let key = |name: &str| format!("{prefix}-{name}");
+    let held = acquire(&store, &claim_request(&key("held"), LONG)).await;
+    let short = Duration::from_millis(100);
+    let taken = acquire(&store, &claim_request(&key("taken"), short)).await;
+    tokio::time::sleep(short * 3).await;
+    acquire(&store, &claim_request(&key("taken"), LONG)).await;
+    let locked = acquire(&store, &claim_request(&key("locked"), LONG)).await;
+    until_routed(&store, &held, worker_of(cluster, &key("held")).await).await;
+
+    let renewal = Duration::from_secs(600);
+    assert_eq!(store.renew(&held, renewal).await.unwrap(), Ownership::Held);
+    assert_eq!(store.renew(&taken, renewal).await.unwrap(), Ownership::Lost);
+    let mut holder = admin.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_keys WHERE key = $1 FOR UPDATE")
+        .bind(key("locked"))
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    assert_eq!(
+        store.renew(&locked, renewal).await.unwrap(),
+        Ownership::Busy
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    holder.rollback().await.unwrap();
+    assert_eq!(
+        store.renew(&locked, renewal).await.unwrap(),
+        Ownership::Held
+    );
+
+    let renewed: Vec<String> = sqlx::query_scalar(
+        "SELECT key FROM idempotency_keys
+         WHERE key LIKE $1 || '-%' AND lease_until > now() + interval '5 minutes' ORDER BY key",
+    )
+    .bind(&prefix)
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert_eq!(renewed, [key("held"), key("locked")]);
+}
+
+/// The port of the worker that holds `key`'s shard.
+async fn worker_of(cluster: &CitusCluster, key: &str) -> u16 {
+    let worker = cluster.shard_of("idempotency_keys", key).await.1;
+    u16::try_from(worker).unwrap()
 }
 
 /// Sequential and index scans of `idempotency_keys`' shards on the node so far.

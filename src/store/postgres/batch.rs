@@ -419,36 +419,27 @@ impl Write for Release {
     const KIND: &'static str = "releases";
 
     /// [`RELEASE`]; on Citus, [`END_LEASE`] (the row stays, for the next claim's fence to grow
-    /// from), then [`COMMITTED`] when it found no row of this owner in flight.
+    /// from), then [`COMMITTED`] when it found no row of this owner in flight: flat statements,
+    /// planned once.
     fn one<'a>(&'a self, store: &'a PostgresStore) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
             let key = (self.scope.as_str(), self.key.as_str());
+            let bound = |sql| {
+                let query = sqlx::query(sql).bind(&self.scope).bind(&self.key);
+                query.bind(self.owner)
+            };
             let (released, committed): (bool, bool) = store
-                .on_key(key, async |connection| {
+                .on_key_planned(key, Plans::Generic, async |connection| {
                     if !store.distributed {
-                        return sqlx::query_as(RELEASE)
-                            .bind(&self.scope)
-                            .bind(&self.key)
-                            .bind(self.owner)
-                            .fetch_one(connection)
-                            .await;
+                        let row = bound(RELEASE).fetch_one(connection).await?;
+                        return Ok((row.try_get("released")?, row.try_get("committed")?));
                     }
-                    let ended = sqlx::query(END_LEASE)
-                        .bind(&self.scope)
-                        .bind(&self.key)
-                        .bind(self.owner)
-                        .execute(&mut *connection)
-                        .await?;
+                    let ended = bound(END_LEASE).execute(&mut *connection).await?;
                     if ended.rows_affected() == 1 {
                         return Ok((true, false));
                     }
-                    let committed = sqlx::query_scalar(COMMITTED)
-                        .bind(&self.scope)
-                        .bind(&self.key)
-                        .bind(self.owner)
-                        .fetch_one(connection)
-                        .await?;
-                    Ok((false, committed))
+                    let committed = bound(COMMITTED).fetch_optional(connection).await?;
+                    Ok((false, committed.is_some()))
                 })
                 .await?;
             Ok(match (released, committed) {
@@ -491,9 +482,13 @@ impl Write for Renewal {
 
     const KIND: &'static str = "renewals";
 
-    /// [`RENEW`]: it never waits on a row lock either.
+    /// [`RENEW`]: it never waits on a row lock either. On Citus, [`RENEW_FLAT`] (see
+    /// [`renew_flat`](Self::renew_flat)).
     fn one<'a>(&'a self, store: &'a PostgresStore) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
+            if store.distributed {
+                return self.renew_flat(store).await;
+            }
             let query = sqlx::query(RENEW)
                 .bind(&self.scope)
                 .bind(&self.key)
@@ -514,6 +509,54 @@ impl Write for Renewal {
         let query = renew_many(&calls(batch));
         Box::pin(store.rows(None, query, batch.len(), renewal_verdict))
     }
+}
+
+impl Renewal {
+    /// A renewal on Citus: [`RENEW_FLAT`] in a transaction that waits at most [`LOCK_WAIT`] for
+    /// the row; a row held longer (by the handler's transaction, after the fence) answers busy
+    /// if it is still this owner's ([`OWNED`]), as [`RENEW`] answers a row it skips.
+    async fn renew_flat(&self, store: &PostgresStore) -> Result<Ownership, StoreError> {
+        let key = (self.scope.as_str(), self.key.as_str());
+        store
+            .on_key_planned(key, Plans::Generic, async |connection| {
+                let mut renewal = sqlx::Connection::begin(&mut *connection).await?;
+                sqlx::query(LOCK_WAIT).execute(&mut *renewal).await?;
+                let renewed = sqlx::query(RENEW_FLAT)
+                    .bind(&self.scope)
+                    .bind(&self.key)
+                    .bind(self.owner)
+                    .bind(self.lease_ms)
+                    .execute(&mut *renewal)
+                    .await;
+                match renewed {
+                    Ok(renewed) => {
+                        renewal.commit().await?;
+                        Ok(held_if_one(renewed.rows_affected()))
+                    }
+                    Err(error) if is_lock_timeout(&error) => {
+                        renewal.rollback().await?;
+                        let owned = sqlx::query(OWNED)
+                            .bind(&self.scope)
+                            .bind(&self.key)
+                            .bind(self.owner)
+                            .fetch_optional(connection)
+                            .await?;
+                        Ok(match owned {
+                            Some(_) => Ownership::Busy,
+                            None => Ownership::Lost,
+                        })
+                    }
+                    Err(error) => Err(error),
+                }
+            })
+            .await
+    }
+}
+
+/// Postgres's `lock_not_available`: a lock not had within `lock_timeout`.
+fn is_lock_timeout(error: &sqlx::Error) -> bool {
+    let code = error.as_database_error().and_then(|e| e.code());
+    code.as_deref() == Some("55P03")
 }
 
 /// [`RENEW_MANY`] with `renewals` bound.

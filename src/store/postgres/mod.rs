@@ -282,7 +282,9 @@ impl PostgresStore {
     /// are split by shard: the claims of one shard go out as one insert (up to 16 rows), the
     /// completions of one shard, four or more, as one update, each group to its worker and
     /// every group at once; a claim alone is the one statement Citus plans once and caches
-    /// (fresh keys), and releases and renewals go alone. A claim that finds a row reads it
+    /// (fresh keys), and releases and renewals go alone, as flat statements Citus plans once (a
+    /// renewal waits at most 10 ms for a row another transaction holds, then answers busy, as
+    /// on one Postgres it answers at once). A claim that finds a row reads it
     /// (one more statement, for a duplicate). The fewer shards a worker holds, the larger the
     /// groups under load: the sizing guide gives a shard count. [`sweep`](Self::sweep) runs
     /// shard by shard on the workers. The handler's transaction belongs on the key's worker

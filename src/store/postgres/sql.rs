@@ -438,10 +438,35 @@ UPDATE idempotency_keys SET lease_until = now(), updated_at = now()
 WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'in_flight'
 ";
 
-/// Whether the key is $3's and committed (a release that found no row of its in flight).
+/// A row if the key is $3's and committed (a release that found no row of its in flight).
+/// Flat, for Citus's fast path.
 pub(super) const COMMITTED: &str = r"
-SELECT EXISTS (SELECT 1 FROM idempotency_keys
-               WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'committed')
+SELECT 1 FROM idempotency_keys
+WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'committed'
+";
+
+/// A renewal on Citus, in a transaction of its own after [`LOCK_WAIT`]: [`RENEW`]'s effect as
+/// one flat statement, which Citus plans once (`RENEW` it plans on every execution, about five
+/// times the cost). $1 scope, $2 key, $3 owner, $4 lease (ms).
+pub(super) const RENEW_FLAT: &str = r"
+UPDATE idempotency_keys
+SET lease_until = now() + $4::float8 * interval '1 millisecond',
+    expires_at = greatest(CASE WHEN state = 'in_flight' AND recovery_point IS NULL
+                               THEN '-infinity' ELSE expires_at END,
+                          now() + $4::float8 * interval '1 millisecond'),
+    suspect = false, updated_at = now()
+WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
+";
+
+/// How long [`RENEW_FLAT`] waits for a row another transaction holds (the handler's own, after
+/// the fence) before the renewal answers busy instead: [`RENEW`] skips such a row at once.
+pub(super) const LOCK_WAIT: &str = "SET LOCAL lock_timeout = '10ms'";
+
+/// A row if the key is $3's, in flight or committed: a renewal on Citus that found its row
+/// locked. Flat, for Citus's fast path.
+pub(super) const OWNED: &str = r"
+SELECT 1 FROM idempotency_keys
+WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
 ";
 
 /// [`RELEASE`] for many keys at once (`batch.rs`): $1 scopes, $2 keys, $3 owners, one element
