@@ -69,7 +69,8 @@ async fn a_healthy_setup_reports_every_check_and_nothing_to_fix() {
 
 /// The version line says which compare-and-set commands the server has, as the server itself
 /// answers them (not from its version string), and which of the store's changes use them: on
-/// Redis 7 and 8.2 none, on Valkey 8.1 `SET … IFEQ`, on Valkey 9.1 `DELIFEQ` too.
+/// Redis 7 and 8.2 none, on Valkey 8.1 `SET … IFEQ`, on Valkey 9.1 `DELIFEQ` too; and how a
+/// claim runs, alone and in front of an authority (every server CI runs has `SET … NX GET`).
 #[tokio::test]
 async fn the_version_line_names_the_compare_and_set_commands_the_server_has() {
     let redis = RedisServer::start().await;
@@ -85,9 +86,10 @@ async fn the_version_line_names_the_compare_and_set_commands_the_server_has() {
     let uses = match (set_ifeq, delifeq) {
         (true, true) => "completion and renewal use SET IFEQ, release DELIFEQ",
         (true, false) => "completion and renewal use SET IFEQ",
-        _ => "every change runs a script",
+        _ => "completion, renewal and release run scripts",
     };
-    assert!(line.ends_with(uses), "{line}");
+    let claims = "a claim runs claim.lua, in front of an authority one SET NX GET in a transaction";
+    assert!(line.ends_with(&format!("{uses}; {claims}")), "{line}");
 }
 
 #[tokio::test]

@@ -203,14 +203,19 @@ fn version(server: &Info, offers: Offers) -> (Severity, String) {
         (true, true) => "completion and renewal use SET IFEQ, release DELIFEQ",
         (true, false) => "completion and renewal use SET IFEQ",
         (false, true) => "release uses DELIFEQ",
-        (false, false) => "every change runs a script",
+        (false, false) => "completion, renewal and release run scripts",
+    };
+    let claims = match offers.has(Offers::SET_NX_GET) {
+        true => "a claim runs claim.lua, in front of an authority one SET NX GET in a transaction",
+        false => "a claim runs claim.lua, in front of an authority too",
     };
     let names = offers.names();
     let offers = match names.is_empty() {
         true => "none".to_owned(),
         false => names.join(", "),
     };
-    let message = format!("{name} {version}; compare-and-set commands: {offers}; {finalizes}");
+    let message =
+        format!("{name} {version}; compare-and-set commands: {offers}; {finalizes}; {claims}");
     if name == "Redis" && v < (6, 2, 0) {
         let fix = "the store needs Redis 6.2 or newer";
         return (Severity::Risk, format!("{message}: {fix}"));
