@@ -225,7 +225,7 @@ fn replayed(outcome: ClaimOutcome) -> StoredResponse {
                 expires_in > Duration::ZERO && expires_in <= LONG,
                 "expires_in {expires_in:?} is not within the retention"
             );
-            *response
+            response
         }
         other => panic!("expected a replay, got {other:?}"),
     }

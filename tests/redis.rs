@@ -110,7 +110,7 @@ async fn script_flush_between_calls_changes_nothing() {
     );
     flush_scripts(&mut admin).await;
     match store.claim(&request).await.unwrap() {
-        ClaimOutcome::Completed { response, .. } => assert_eq!(*response, ok_response()),
+        ClaimOutcome::Completed { response, .. } => assert_eq!(response, ok_response()),
         other => panic!("expected a replay, got {other:?}"),
     }
 }
@@ -152,7 +152,7 @@ async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_wher
             .unwrap();
         assert_eq!(completed, Ownership::Held);
         match store.claim(&request).await.unwrap() {
-            ClaimOutcome::Completed { response, .. } => assert_eq!(*response, ok_response()),
+            ClaimOutcome::Completed { response, .. } => assert_eq!(response, ok_response()),
             other => panic!("expected a replay, got {other:?}"),
         }
         leases.push(lease);
@@ -241,7 +241,7 @@ async fn a_claim_in_front_answers_as_a_claim_does_without_a_script() {
                 response,
                 expires_in,
             } => {
-                assert_eq!(*response, ok_response());
+                assert_eq!(response, ok_response());
                 assert!(expires_in <= retention && expires_in > retention - Duration::from_secs(5));
             }
             other => panic!("expected a replay, got {other:?}"),

@@ -75,7 +75,7 @@ async fn the_front_claims_by_command_and_completes_by_compare_and_set_where_it_c
     for key in ["k-cas-1", "k-cas-2", "k-cas-3"] {
         complete(key).await;
         match redis.claim_in_front(&request(key)).await.unwrap() {
-            ClaimOutcome::Completed { response, .. } => assert_eq!(*response, created()),
+            ClaimOutcome::Completed { response, .. } => assert_eq!(response, created()),
             other => panic!("the front does not hold the answer: {other:?}"),
         }
     }
@@ -151,7 +151,7 @@ async fn after_a_flush_the_authority_answers_and_redis_is_refilled() {
         .unwrap();
 
     match store.claim(&request("k-flush")).await.unwrap() {
-        ClaimOutcome::Completed { response, .. } => assert_eq!(*response, created()),
+        ClaimOutcome::Completed { response, .. } => assert_eq!(response, created()),
         other => panic!("the authority's record was not replayed: {other:?}"),
     }
     // Written back with the authority's remaining retention: Redis alone replays it now.
@@ -160,7 +160,7 @@ async fn after_a_flush_the_authority_answers_and_redis_is_refilled() {
             response,
             expires_in,
         } => {
-            assert_eq!(*response, created());
+            assert_eq!(response, created());
             assert!(
                 expires_in <= Duration::from_secs(3600) && expires_in > Duration::from_secs(3500)
             );
@@ -293,7 +293,7 @@ async fn a_claim_that_reaches_a_frozen_redis_late_never_hides_a_completed_key() 
     let mut in_flight = 0;
     for _ in 0..20 {
         match store.claim(&request("k-late")).await.unwrap() {
-            ClaimOutcome::Completed { response, .. } => assert_eq!(*response, created()),
+            ClaimOutcome::Completed { response, .. } => assert_eq!(response, created()),
             ClaimOutcome::InFlight { .. } => in_flight += 1,
             other => panic!("unexpected {other:?}"),
         }
@@ -333,7 +333,7 @@ async fn completed_keys_replay_from_redis_while_postgres_is_down_breaker_or_not(
     cluster.stop_server();
     assert!(store.front_skipped());
     match store.claim(&request("k-done")).await {
-        Ok(ClaimOutcome::Completed { response, .. }) => assert_eq!(*response, created()),
+        Ok(ClaimOutcome::Completed { response, .. }) => assert_eq!(response, created()),
         other => panic!("a completed key was not replayed from Redis: {other:?}"),
     }
     // An unknown key cannot run without Postgres, and Redis keeps no claim of it.

@@ -42,8 +42,8 @@
 -- is: once per session, a generic plan that Citus prunes to the key's shard on each call, made
 -- with sequential scans priced out, so that the plan it keeps for the shard is the primary-key
 -- lookup whatever the table held when it was made. Planning each call instead (an earlier
--- form) cost 2.5 times as much: pgbench on a worker, a business row and the fence in one
--- transaction, about 620 against 240 us of the worker's CPU. A plan over more than one shard
+-- form) cost about twice as much: pgbench on a worker, a business row and the fence in one
+-- transaction, 505-695 against 244-386 us of the worker's CPU. A plan over more than one shard
 -- would be an error, not a slow fence (and the setting tells the doctor this is the Citus form).
 
 CREATE OR REPLACE FUNCTION idempotency_commit(

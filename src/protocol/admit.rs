@@ -145,9 +145,8 @@ async fn recovered(
             tracing::info!(
                 "stored the answer the recovery hook rebuilt for a key committed without one"
             );
-            let response = Box::new(stored);
             Ok(ClaimOutcome::Completed {
-                response,
+                response: stored,
                 expires_in: settings.retention,
             })
         }
@@ -251,7 +250,7 @@ fn answer<B>(claiming: &Claiming<'_>, claimed: Claimed) -> Answered<B> {
                         .protection()
                         .map(|lasts| expires_in + lasts.saturating_sub(settings.retention));
                     let answers = &settings.answers;
-                    let replayed = answers.replay(&engine.telemetry, *response, protected);
+                    let replayed = answers.replay(&engine.telemetry, response, protected);
                     return ControlFlow::Break(Some(replayed));
                 }
                 Some(headers) => Rejection::NotAcceptable { headers },

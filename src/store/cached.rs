@@ -317,7 +317,7 @@ impl<S: Store> CachedStore<S> {
             return None;
         }
         let replay = ClaimOutcome::Completed {
-            response: Box::new(answer.response.clone()),
+            response: answer.response.clone(),
             expires_in: answer.expires.saturating_duration_since(now),
         };
         let watch = self.ask(answer, request.shared_record());

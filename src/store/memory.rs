@@ -522,7 +522,7 @@ impl Entry {
                 retry_after: self.expires_at - now,
             },
             EntryState::Completed { response, .. } => ClaimOutcome::Completed {
-                response: Box::new(response.clone()),
+                response: response.clone(),
                 expires_in: self.expires_at - now,
             },
             EntryState::Tombstone {

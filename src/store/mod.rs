@@ -695,7 +695,7 @@ pub enum ClaimOutcome {
     /// The key completed with this fingerprint: replay its response.
     Completed {
         /// The stored response.
-        response: Box<StoredResponse>,
+        response: StoredResponse,
         /// How long the store keeps the record from now (what is left of its retention).
         expires_in: Duration,
     },

@@ -82,7 +82,7 @@ impl Authority {
                 _ if row.fingerprint != *request.fingerprint() => return ClaimOutcome::Mismatch,
                 State::Completed(response) => {
                     return ClaimOutcome::Completed {
-                        response: Box::new(StoredResponse::clone(response)),
+                        response: StoredResponse::clone(response),
                         expires_in: row.expires_at - now,
                     };
                 }

@@ -311,7 +311,7 @@ fn read_claim(row: &PgRow, record: &RecordKey) -> Result<Option<ClaimOutcome>, S
             let response =
                 StoredResponse::decode(Bytes::from(response)).map_err(|e| corrupt(e.into()))?;
             ClaimOutcome::Completed {
-                response: Box::new(response),
+                response,
                 expires_in: column_millis(row, "expires_ms")?,
             }
         }

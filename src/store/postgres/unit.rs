@@ -27,7 +27,7 @@ pub(crate) enum Seen {
     /// other mode let its lease run out before committing.
     Expired(i64),
     /// The key's stored outcome.
-    Completed(Box<StoredResponse>),
+    Completed(StoredResponse),
     /// The key was first used with another payload.
     Mismatch,
     /// An owner in the other mode ([`Once::run`](crate::work::Once::run)) holds the key, for
@@ -145,10 +145,10 @@ pub(crate) async fn begin(
         _ if buried => Seen::Mismatch,
         _ if !live => Seen::Expired(fence),
         _ if !same => Seen::Mismatch,
-        (_, Some(response)) => Seen::Completed(Box::new(
+        (_, Some(response)) => Seen::Completed(
             StoredResponse::decode(Bytes::from(response))
                 .map_err(|e| StoreError::corrupt(STORE, record, e))?,
-        )),
+        ),
         (_, None) if leased => {
             let left: Option<i64> = row.try_get("lease_ms").map_err(backend)?;
             Seen::InFlight(Duration::from_millis(left.unwrap_or(0).max(0) as u64))

@@ -571,7 +571,7 @@ fn read_record(
         },
         None => ClaimOutcome::InFlight { retry_after: left },
         Some(response) => ClaimOutcome::Completed {
-            response: Box::new(response),
+            response,
             expires_in: left,
         },
     })
@@ -660,7 +660,7 @@ mod tests {
         assert_eq!(
             completed,
             Ok(ClaimOutcome::Completed {
-                response: Box::new(response),
+                response,
                 expires_in: Duration::from_millis(1500)
             })
         );
