@@ -237,12 +237,17 @@ impl PostgresStore {
         Connections::new(&options, max, self.timeout, plans)
     }
 
-    /// On Citus, routes with up to `max` connections of the store's own to each node.
+    /// On Citus, routes with up to `max` connections of the store's own to each node, their
+    /// shard map read at once (in the background, inside a Tokio runtime): a store built before
+    /// its first requests routes them all. Read on the first statement instead, under load the
+    /// map took seconds to arrive, every statement meanwhile through the coordinator.
     fn routes(&self, max: usize) -> Option<Arc<Routes>> {
         self.distributed.then(|| {
             let options = (*self.pool.connect_options()).clone();
             let overrides = self.citus_nodes.clone();
-            Arc::new(Routes::new(options, max, self.timeout, overrides))
+            let routes = Arc::new(Routes::new(options, max, self.timeout, overrides));
+            routes.read_when_due(&self.connections);
+            routes
         })
     }
 
@@ -273,8 +278,9 @@ impl PostgresStore {
     /// A worker runs the statement on its own shard, with no coordinator in the way: no second
     /// planning, no extra round trip. Statements always name the distributed table, so one sent
     /// on a stale map (a shard just moved) is forwarded by the worker, never written to an old
-    /// copy. The map is read again every 10 s and soon after a statement fails on a route; until
-    /// the first is read, statements go to the coordinator. While the coordinator is down,
+    /// copy. The map is read when the store is built (in the background, inside a Tokio
+    /// runtime), again every 10 s and soon after a statement fails on a route; until the first
+    /// is read, statements go to the coordinator. While the coordinator is down,
     /// requests whose keys are on live workers go on; the sweeper, [`stuck`](Store::stuck) and
     /// the completer's scan, which read every shard, wait for it.
     ///

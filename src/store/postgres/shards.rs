@@ -216,9 +216,10 @@ impl Routes {
         *due = (*due).min(soon);
     }
 
-    /// Outside a Tokio runtime (`pool_for` called from a thread of its own) the map is left to
-    /// the next call inside one.
-    fn read_when_due(self: &Arc<Self>, coordinator: &Arc<Connections>) {
+    /// Reads the map, in the background, if it is due. Outside a Tokio runtime (a store built
+    /// before it, or `pool_for` called from a thread of its own) the map is left to the next
+    /// call inside one.
+    pub(super) fn read_when_due(self: &Arc<Self>, coordinator: &Arc<Connections>) {
         let shared = &self.shared;
         let due = *shared.due.lock().unwrap_or_else(PoisonError::into_inner);
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
