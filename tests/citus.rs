@@ -1093,16 +1093,7 @@ async fn citus_fences_stay_index_lookups_after_the_table_grew_from_empty() {
     for _ in 0..10 {
         claim_and_fence().await;
     }
-    sqlx::query(
-        "INSERT INTO idempotency_keys (scope, key, fingerprint, state, owner, fence, lease_until,
-                                       expires_at, status, response)
-         SELECT 'grown', 'g' || i, '\\x00', 'completed', gen_random_uuid(), i, now(),
-                now() + interval '1 day', 200, '\\x00'
-         FROM generate_series(1, 200000) AS i",
-    )
-    .execute(&admin)
-    .await
-    .unwrap();
+    support::grow_by_200000_completed_rows(&admin).await;
     // Statistics reach the collector from each session at most once a second, at the end of
     // a transaction: wait, and end one on each session.
     tokio::time::sleep(Duration::from_millis(1100)).await;

@@ -54,6 +54,13 @@ fn created() -> StoredResponse {
     )
 }
 
+/// Claims `key` afresh on `store` and completes it with [`created`], held.
+async fn claim_and_complete(store: &impl Store, key: &str) {
+    let (lease, response) = (acquire(store, &request(key)).await, created());
+    let completed = store.complete(&lease, &response, Duration::from_secs(3600));
+    assert_eq!(completed.await.unwrap(), Ownership::Held);
+}
+
 /// Behind Postgres, Redis claims with one `SET … NX GET` in a transaction, no script, and
 /// completes the record it wrote by compare-and-set where it can: the fence it wrote travels
 /// in the lease beside the authority's (which the handler sees), so the front holds the answer
@@ -64,11 +71,7 @@ async fn the_front_claims_by_command_and_completes_by_compare_and_set_where_it_c
     let schema = TestSchema::new().await;
     let redis = RedisStore::open(&server.url()).unwrap();
     let store = TieredStore::new(redis.clone(), PostgresStore::new(schema.pool.clone()));
-    let complete = async |key: &str| {
-        let (lease, response) = (acquire(&store, &request(key)).await, created());
-        let completed = store.complete(&lease, &response, Duration::from_secs(3600));
-        assert_eq!(completed.await.unwrap(), Ownership::Held);
-    };
+    let complete = async |key: &str| claim_and_complete(&store, key).await;
     complete("k-warm-up").await;
     server.reset_stats().await;
 
@@ -101,11 +104,7 @@ async fn a_cached_front_claims_by_command_too() {
     let redis = RedisStore::open(&server.url()).unwrap();
     let front = CachedStore::new(redis.clone());
     let store = TieredStore::new(front, PostgresStore::new(schema.pool.clone()));
-    let complete = async |key: &str| {
-        let (lease, response) = (acquire(&store, &request(key)).await, created());
-        let completed = store.complete(&lease, &response, Duration::from_secs(3600));
-        assert_eq!(completed.await.unwrap(), Ownership::Held);
-    };
+    let complete = async |key: &str| claim_and_complete(&store, key).await;
     complete("k-warm-up").await;
     server.reset_stats().await;
 

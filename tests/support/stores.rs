@@ -164,3 +164,18 @@ pub async fn acquire(store: &impl Store, request: &store::ClaimRequest) -> store
         other => panic!("expected to acquire {}, got {other:?}", request.record()),
     }
 }
+
+/// Grows `idempotency_keys` by 200,000 completed rows (scope "grown"): a table that was empty
+/// when its plans were made, and is large now.
+pub async fn grow_by_200000_completed_rows(pool: &sqlx::PgPool) {
+    sqlx::query(
+        "INSERT INTO idempotency_keys (scope, key, fingerprint, state, owner, fence, lease_until,
+                                       expires_at, status, response)
+         SELECT 'grown', 'g' || i, '\\x00', 'completed', gen_random_uuid(), i, now(),
+                now() + interval '1 day', 200, '\\x00'
+         FROM generate_series(1, 200000) AS i",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}

@@ -517,30 +517,23 @@ impl Renewal {
     /// if it is still this owner's ([`OWNED`]), as [`RENEW`] answers a row it skips.
     async fn renew_flat(&self, store: &PostgresStore) -> Result<Ownership, StoreError> {
         let key = (self.scope.as_str(), self.key.as_str());
+        let bound = |sql| {
+            let query = sqlx::query(sql).bind(&self.scope).bind(&self.key);
+            query.bind(self.owner)
+        };
         store
             .on_key_planned(key, Plans::Generic, async |connection| {
                 let mut renewal = sqlx::Connection::begin(&mut *connection).await?;
                 sqlx::query(LOCK_WAIT).execute(&mut *renewal).await?;
-                let renewed = sqlx::query(RENEW_FLAT)
-                    .bind(&self.scope)
-                    .bind(&self.key)
-                    .bind(self.owner)
-                    .bind(self.lease_ms)
-                    .execute(&mut *renewal)
-                    .await;
-                match renewed {
+                let renew = bound(RENEW_FLAT).bind(self.lease_ms);
+                match renew.execute(&mut *renewal).await {
                     Ok(renewed) => {
                         renewal.commit().await?;
                         Ok(held_if_one(renewed.rows_affected()))
                     }
                     Err(error) if is_lock_timeout(&error) => {
                         renewal.rollback().await?;
-                        let owned = sqlx::query(OWNED)
-                            .bind(&self.scope)
-                            .bind(&self.key)
-                            .bind(self.owner)
-                            .fetch_optional(connection)
-                            .await?;
+                        let owned = bound(OWNED).fetch_optional(connection).await?;
                         Ok(match owned {
                             Some(_) => Ownership::Busy,
                             None => Ownership::Lost,
