@@ -107,6 +107,7 @@ fn main() -> std::process::ExitCode {
         citus_a_key_expires_only_once_past_the_clock_skew,
         citus_a_worker_is_reached_where_with_citus_node_says,
         citus_pool_for_answers_outside_a_runtime,
+        citus_a_store_built_in_steps_reads_the_map_once,
         citus_claims_and_completions_of_one_shard_share_a_statement_each_with_its_own_answer,
         citus_fences_stay_index_lookups_after_the_table_grew_from_empty,
         citus_renewals_answer_held_lost_and_busy_without_waiting,
@@ -846,6 +847,46 @@ async fn citus_pool_for_answers_outside_a_runtime() {
     // Inside the runtime the map is read, in the background, and then the key's worker answers.
     let worker = cluster.shard_of("idempotency_keys", "outside").await.1;
     until_routed(&store, &lease, u16::try_from(worker).unwrap()).await;
+}
+
+/// A store built in steps (`on_citus`, then `with_max_connections`, `with_timeout`,
+/// `with_max_batch`: each makes the store's routes anew) reads the shard map once, on one
+/// connection to the coordinator, not once a step. Built where the runtime runs no task before
+/// the builder is done (a current-thread runtime), counted at a proxy in front of the
+/// coordinator: one connection, where each step's read made one (four).
+async fn citus_a_store_built_in_steps_reads_the_map_once() {
+    let cluster = cluster().await;
+    let coordinator = std::net::SocketAddr::from(([127, 0, 0, 1], cluster.coordinator.port));
+    let proxy = support::FaultProxy::start(vec![coordinator], vec![support::Fault::None]).await;
+    let url = support::postgres_url(proxy.port);
+    let worker = cluster.shard_of("idempotency_keys", "in-steps").await.1;
+    let worker = u16::try_from(worker).unwrap();
+    let built = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let pool = PgPoolOptions::new().connect_lazy(&url).unwrap();
+            let store = PostgresStore::new(pool)
+                .on_citus()
+                .with_max_connections(4)
+                .with_timeout(Duration::from_secs(5))
+                .with_max_batch(8);
+            let claim = claim_request("in-steps", Duration::from_secs(1));
+            let lease = Lease::new(claim.record().clone(), claim.owner(), 1);
+            until_routed(&store, &lease, worker).await;
+        });
+    });
+    tokio::task::spawn_blocking(move || built.join())
+        .await
+        .unwrap()
+        .expect("the store was not routed");
+    assert_eq!(
+        proxy.connections(),
+        1,
+        "connections to the coordinator while the store was built and its map read"
+    );
 }
 
 /// Waits, up to 10 s, until the store sends `lease`'s statements to the pool at `port`: the

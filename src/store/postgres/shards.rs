@@ -218,7 +218,8 @@ impl Routes {
 
     /// Reads the map, in the background, if it is due. Outside a Tokio runtime (a store built
     /// before it, or `pool_for` called from a thread of its own) the map is left to the next
-    /// call inside one.
+    /// call inside one. Routes dropped before the read starts (each step of a store's builder
+    /// makes new ones, and only the last step's are kept) read nothing.
     pub(super) fn read_when_due(self: &Arc<Self>, coordinator: &Arc<Connections>) {
         let shared = &self.shared;
         let due = *shared.due.lock().unwrap_or_else(PoisonError::into_inner);
@@ -228,8 +229,11 @@ impl Routes {
         if Instant::now() < due || shared.reading.swap(true, SeqCst) {
             return;
         }
-        let (routes, coordinator) = (self.clone(), coordinator.clone());
+        let (routes, coordinator) = (Arc::downgrade(self), coordinator.clone());
         runtime.spawn(async move {
+            let Some(routes) = routes.upgrade() else {
+                return;
+            };
             let next = match routes.read(&coordinator).await {
                 Ok(()) => REFRESH,
                 Err(error) => {
