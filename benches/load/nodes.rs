@@ -204,16 +204,31 @@ async fn add_workers(coordinator: &PgNode, workers: &[PgNode]) -> Option<()> {
 }
 
 /// The crate's migrations; on a Citus coordinator of `workers` workers, the table distributed
-/// too, in 2 shards a worker (the sizing guide's advice), or `CITUS_SHARDS`.
+/// too, in 2 shards a worker (the sizing guide's advice), or `CITUS_SHARDS`. `None`, with the
+/// error, when a step fails: the setups on these nodes are left out, and the run says why.
 async fn migrate(url: &str, workers: Option<usize>) -> Option<()> {
-    let store = PostgresStore::new(sqlx::PgPool::connect(url).await.ok()?);
-    store.migrate().await.ok()?;
+    let failed = |step: &str, error: &dyn std::fmt::Display| {
+        eprintln!(
+            "{step} on {url} failed ({error}): the setups on the run's own nodes are left out"
+        );
+    };
+    let pool = sqlx::PgPool::connect(url)
+        .await
+        .map_err(|e| failed("connecting", &e))
+        .ok()?;
+    let store = PostgresStore::new(pool);
+    store
+        .migrate()
+        .await
+        .map_err(|e| failed("the migrations", &e))
+        .ok()?;
     if let Some(workers) = workers {
         let shards = std::env::var("CITUS_SHARDS").unwrap_or_else(|_| (2 * workers).to_string());
         let sql = format!("SET citus.shard_count = {shards};{DISTRIBUTE_ON_CITUS}");
         sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
             .execute(store.pool())
             .await
+            .map_err(|e| failed("distributing on Citus", &e))
             .ok()?;
     }
     Some(())
