@@ -63,8 +63,15 @@ pub(crate) async fn drive(mut options: Options) {
     };
 
     eprintln!(
-        "load: {} connections, {} s per run, {} rounds, setups {:?}",
-        options.connections, options.seconds, options.rounds, options.only
+        "load: {} connections, {} s per run, {} rounds, {}, setups {:?}",
+        options.connections,
+        options.seconds,
+        options.rounds,
+        options.rate.map_or_else(
+            || "closed loop".to_owned(),
+            |r| format!("{r} req/s offered")
+        ),
+        options.only
     );
     let mut runs: Runs = BTreeMap::new();
     let mut floors: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
@@ -88,8 +95,8 @@ pub(crate) async fn drive(mut options: Options) {
             };
             for &workload in workloads {
                 let stores = (server, &admin);
-                let run =
-                    measure(setup, workload, &env, stores, options.connections, seconds).await;
+                let clients = (options.connections, options.rate);
+                let run = measure(setup, workload, &env, stores, clients, seconds).await;
                 eprintln!("round {round} {setup:>8} {workload:>6}: {run:?}");
                 runs.entry((setup.to_string(), workload.to_string()))
                     .or_default()
@@ -162,7 +169,7 @@ pub(crate) async fn measure(
     workload: &'static str,
     env: &str,
     (redis, admin): (&RedisServer, &sqlx::PgPool),
-    connections: usize,
+    (connections, rate): (usize, Option<f64>),
     seconds: Duration,
 ) -> Run {
     let on_postgres = setup.starts_with("postgres") || setup.starts_with("tiered");
@@ -191,7 +198,7 @@ pub(crate) async fn measure(
     let warm_up = format!("{run_id}-warm-up");
     load(
         address,
-        connections,
+        (connections, None),
         Duration::from_secs(1),
         &warm_up,
         "warm-up",
@@ -200,7 +207,7 @@ pub(crate) async fn measure(
     let replay_keys = format!("{run_id}-replay");
     load(
         address,
-        connections,
+        (connections, None),
         Duration::from_millis(300),
         &replay_keys,
         "prime",
@@ -217,8 +224,17 @@ pub(crate) async fn measure(
     };
     let started = Instant::now();
     let mut latencies = match workload {
-        "fresh" => load(address, connections, seconds, &run_id, "fresh").await,
-        _ => load(address, connections, seconds, &replay_keys, "replay").await,
+        "fresh" => load(address, (connections, rate), seconds, &run_id, "fresh").await,
+        _ => {
+            load(
+                address,
+                (connections, rate),
+                seconds,
+                &replay_keys,
+                "replay",
+            )
+            .await
+        }
     };
     let elapsed = started.elapsed();
     let cpu = process_cpu(server.id()) - cpu_before;
@@ -277,12 +293,13 @@ pub(crate) async fn measure(
     }
 }
 
-/// Sends requests on `connections` keep-alive connections for `duration`; returns each one's
-/// latency in µs. Keys are `{prefix}-{connection}-{n}`, except for "replay" and "prime", which
-/// use one key per connection.
+/// Sends requests on `connections` keep-alive connections for `duration`, each as soon as its
+/// last answer came or, with a `rate`, at its share of `rate` a second (late rather than skipped
+/// when behind); returns each one's latency in µs. Keys are `{prefix}-{connection}-{n}`, except
+/// for "replay" and "prime", which use one key per connection.
 pub(crate) async fn load(
     address: SocketAddr,
-    connections: usize,
+    (connections, rate): (usize, Option<f64>),
     duration: Duration,
     prefix: &str,
     workload: &'static str,
@@ -300,7 +317,16 @@ pub(crate) async fn load(
                 let mut sender = connect(address).await;
                 let mut latencies = Vec::with_capacity(8192);
                 let mut n = 0u64;
+                // The connections' sends spread evenly over one interval.
+                let pace = rate.map(|rate| Duration::from_secs_f64(connections as f64 / rate));
+                let offset =
+                    pace.map_or(Duration::ZERO, |p| p.mul_f64(c as f64 / connections as f64));
+                let mut next = tokio::time::Instant::now() + offset;
                 while !stop.load(Relaxed) {
+                    if let Some(pace) = pace {
+                        tokio::time::sleep_until(next).await;
+                        next += pace;
+                    }
                     let key = match workload {
                         "replay" | "prime" => format!("{prefix}-{c}"),
                         _ => format!("{prefix}-{c}-{n}"),

@@ -12,7 +12,10 @@
 //! `POST /payments` with a 1 KiB JSON body for `--seconds` (5) after a one-second warm-up; the
 //! handler answers 201 with about 200 bytes. "fresh" requests carry a new key each; "replay"
 //! requests repeat keys completed during the warm-up. Rounds (`--rounds`, 3) interleave the
-//! setups, and ratios are medians of per-round ratios.
+//! setups, and ratios are medians of per-round ratios. `--rate r` paces the measured requests at
+//! `r` a second in all (each connection at its share, sending late rather than skipping when
+//! behind): setups below their capacity then serve the same offered load, and their CPU per
+//! request compares at that load, not at each one's own closed-loop concurrency.
 //!
 //! `REDIS_SERVER` (and `REDIS_CLI`) name the server program, so a Valkey run is the same command
 //! with `REDIS_SERVER=valkey-server`. "redis-cluster" is the Redis store on a cluster of three
@@ -137,6 +140,10 @@ struct Options {
     seconds: u64,
     rounds: usize,
     connections: usize,
+    /// Requests a second in all (`--rate`), each connection sending at its share of it, for
+    /// setups measured at the same offered load; `None`: each connection sends as soon as its
+    /// last answer came (a closed loop).
+    rate: Option<f64>,
     only: Vec<String>,
 }
 
@@ -151,6 +158,7 @@ impl Options {
             seconds: value("--seconds").map_or(5, |v| v.parse().unwrap()),
             rounds: value("--rounds").map_or(3, |v| v.parse().unwrap()),
             connections: value("--connections").map_or(64, |v| v.parse().unwrap()),
+            rate: value("--rate").map(|v| v.parse().unwrap()),
             only: value("--only").map_or_else(
                 || {
                     SETUPS
