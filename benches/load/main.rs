@@ -30,7 +30,8 @@
 //! (`AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`) shipped by three consumers
 //! through `Once` against the same consumers without it (`consumers.rs`); without a broker
 //! it is left out. "tiered-single" and "postgres-single" are their stores sending every claim
-//! and completion on its own statement (`with_max_batch(1)`), as before batches.
+//! and completion on its own statement (`with_max_batch(1)`), as before batches;
+//! "postgres-window" the store of "postgres" with a batch window of 1 ms (`with_batch_window`).
 //!
 //! "naive-memory" is the naive guard in process, its answers in a bounded moka cache (what
 //! in-process peers keep theirs in): the floor of a guard that has no fingerprint, owner or
@@ -93,7 +94,7 @@ use tower_idempotency::{
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 24] = [
+const SETUPS: [&str; 25] = [
     "bare",
     "memory",
     "memory-cached",
@@ -108,6 +109,7 @@ const SETUPS: [&str; 24] = [
     "valkey",
     "postgres",
     "postgres-single",
+    "postgres-window",
     "postgres-partitioned",
     "tiered",
     "tiered-cached",

@@ -80,10 +80,11 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
                 let watcher = store.watcher();
                 layered(Arc::new(CachedStore::new(store).with_watcher(watcher)))
             }
-            "postgres" | "postgres-single" => layered(Arc::new(
+            "postgres" | "postgres-single" | "postgres-window" => layered(Arc::new(
                 postgres_store(&database_url, &schema)
                     .await
-                    .with_max_batch(max_batch(&setup)),
+                    .with_max_batch(max_batch(&setup))
+                    .with_batch_window(batch_window(&setup)),
             )),
             "node" | "node-single" => layered(Arc::new(
                 PostgresStore::new(pool_in(&nodes[0], "public", 16).await)
@@ -198,6 +199,14 @@ pub(crate) fn partitioned(schema: &str) -> String {
 /// How many claims or completions a setup's Postgres store sends in one statement: one for the
 /// `-single` setups (each call on its own statement: the store before batches), the store's
 /// default otherwise.
+/// 1 ms for the "-window" setups, else none.
+fn batch_window(setup: &str) -> Duration {
+    match setup.ends_with("-window") {
+        true => Duration::from_millis(1),
+        false => Duration::ZERO,
+    }
+}
+
 pub(crate) fn max_batch(setup: &str) -> usize {
     if setup.ends_with("-single") {
         1

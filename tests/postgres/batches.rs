@@ -361,3 +361,89 @@ async fn releases_go_out_together_and_each_gets_its_own_answer() {
     );
     schema.drop().await;
 }
+
+/// `with_batch_window`: claims that arrive one at a time, 10 ms apart, each finding a lane free,
+/// go out alone without a window (a transaction each) and together within one (one
+/// transaction for all, counted at the destination by the rows' `xmin`), the first answered
+/// only once the window is over.
+#[tokio::test]
+async fn claims_within_the_batch_window_share_one_transaction() {
+    let schema = TestSchema::new().await;
+    for (window, transactions) in [(Duration::ZERO, 8), (Duration::from_millis(300), 1)] {
+        let store = PostgresStore::new(schema.pool.clone())
+            .with_max_connections(4)
+            .with_batch_window(window);
+        let prefix = format!("window-{}", window.as_millis());
+        let started = std::time::Instant::now();
+        let mut claims = Vec::new();
+        for n in 0..8 {
+            let (store, request) = (store.clone(), claim_request(&format!("{prefix}-{n}"), LONG));
+            claims.push(tokio::spawn(async move {
+                let outcome = store.claim(&request).await.unwrap();
+                (outcome, started.elapsed())
+            }));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for claim in claims {
+            let (outcome, answered) = claim.await.unwrap();
+            assert!(
+                matches!(outcome, ClaimOutcome::Acquired { .. }),
+                "{outcome:?}"
+            );
+            assert!(
+                answered >= window,
+                "answered after {answered:?}, window {window:?}"
+            );
+        }
+        let seen: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT xmin::text) FROM idempotency_keys WHERE key LIKE $1",
+        )
+        .bind(format!("{prefix}-%"))
+        .fetch_one(&schema.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            seen, transactions,
+            "transactions for 8 claims, window {window:?}"
+        );
+    }
+    schema.drop().await;
+}
+
+/// A full batch does not wait out the window: four claims at once through a store of batches
+/// of four and a window of 4 s are answered long before it ends, in one transaction.
+#[tokio::test]
+async fn a_full_batch_goes_before_its_window_ends() {
+    let schema = TestSchema::new().await;
+    let store = PostgresStore::new(schema.pool.clone())
+        .with_max_connections(4)
+        .with_timeout(Duration::from_secs(10))
+        .with_max_batch(4)
+        .with_batch_window(Duration::from_secs(4));
+    let started = std::time::Instant::now();
+    let claims: Vec<_> = (0..4)
+        .map(|n| {
+            let (store, request) = (store.clone(), claim_request(&format!("full-{n}"), LONG));
+            tokio::spawn(async move { store.claim(&request).await.unwrap() })
+        })
+        .collect();
+    for claim in claims {
+        let outcome = claim.await.unwrap();
+        assert!(
+            matches!(outcome, ClaimOutcome::Acquired { .. }),
+            "{outcome:?}"
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "four claims took {:?} with a full batch",
+        started.elapsed()
+    );
+    let transactions: i64 =
+        sqlx::query_scalar("SELECT count(DISTINCT xmin::text) FROM idempotency_keys")
+            .fetch_one(&schema.pool)
+            .await
+            .unwrap();
+    assert_eq!(transactions, 1);
+    schema.drop().await;
+}

@@ -113,6 +113,11 @@ pub(super) struct Batches<T> {
     lanes: AtomicUsize,
     max_lanes: usize,
     max_batch: usize,
+    /// How long a lane that starts waits for more calls before it sends
+    /// ([`with_batch_window`](PostgresStore::with_batch_window)).
+    window: std::time::Duration,
+    /// Told when the queue holds a full batch: a lane waiting out its window sends at once.
+    full: tokio::sync::Notify,
 }
 
 /// How a lane sends one batch of `T`.
@@ -134,13 +139,16 @@ impl<T: std::fmt::Debug> std::fmt::Debug for Queued<T> {
 }
 
 impl<T: Send + 'static> Batches<T> {
-    /// At most `lanes` lanes (at least one), batches of at most `max_batch`.
-    pub(super) fn new(lanes: usize, max_batch: usize) -> Arc<Self> {
+    /// At most `lanes` lanes (at least one), batches of at most `max_batch`, a lane that
+    /// starts waiting `window` for more calls before it sends.
+    pub(super) fn new(lanes: usize, max_batch: usize, window: std::time::Duration) -> Arc<Self> {
         Arc::new(Self {
             queue: Mutex::default(),
             lanes: AtomicUsize::new(0),
             max_lanes: lanes.max(1),
             max_batch: max_batch.max(1),
+            window,
+            full: tokio::sync::Notify::new(),
         })
     }
 
@@ -166,10 +174,31 @@ impl<T: Send + 'static> Batches<T> {
 
     /// Queues `item` and makes sure a lane of `store` will send it with `send`.
     pub(super) fn push(self: &Arc<Self>, store: &PostgresStore, item: T, send: SendBatch<T>) {
-        self.queue().push(item);
+        let queued = {
+            let mut queue = self.queue();
+            queue.push(item);
+            queue.len()
+        };
+        if queued >= self.max_batch {
+            self.full.notify_waiters();
+        }
         if self.take_lane() {
             let (store, batches) = (store.clone(), Arc::clone(self));
             tokio::spawn(async move { batches.lane(&store, send).await });
+        }
+    }
+
+    /// The batch window: until it is over or a full batch is queued, whichever comes first.
+    async fn wait_for_a_batch(&self) {
+        if self.window.is_zero() {
+            return;
+        }
+        let full = self.full.notified();
+        tokio::pin!(full);
+        // Told from here on: a batch that fills after the check below is not missed.
+        full.as_mut().enable();
+        if self.queue().len() < self.max_batch {
+            let _ = tokio::time::timeout(self.window, full).await;
         }
     }
 
@@ -179,6 +208,7 @@ impl<T: Send + 'static> Batches<T> {
     /// callers get an error), so the store never runs out of lanes.
     async fn lane(&self, store: &PostgresStore, send: SendBatch<T>) {
         let mut lane = Lane(self);
+        self.wait_for_a_batch().await;
         loop {
             let batch = self.take();
             if batch.is_empty() {
