@@ -31,7 +31,8 @@
 //! through `Once` against the same consumers without it (`consumers.rs`); without a broker
 //! it is left out. "tiered-single" and "postgres-single" are their stores sending every claim
 //! and completion on its own statement (`with_max_batch(1)`), as before batches;
-//! "postgres-window" the store of "postgres" with a batch window of 1 ms (`with_batch_window`).
+//! "postgres-window" and "tiered-window" the stores of "postgres" and "tiered" with a batch
+//! window of 1 ms at Postgres (`with_batch_window`).
 //!
 //! "naive-memory" is the naive guard in process, its answers in a bounded moka cache (what
 //! in-process peers keep theirs in): the floor of a guard that has no fingerprint, owner or
@@ -94,7 +95,7 @@ use tower_idempotency::{
 };
 use uuid::Uuid;
 
-const SETUPS: [&str; 25] = [
+const SETUPS: [&str; 26] = [
     "bare",
     "memory",
     "memory-cached",
@@ -114,6 +115,7 @@ const SETUPS: [&str; 25] = [
     "tiered",
     "tiered-cached",
     "tiered-single",
+    "tiered-window",
     "memory-1mib",
     "memory-1mib-unbounded",
     "node",

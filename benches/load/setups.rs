@@ -102,11 +102,12 @@ pub(crate) fn serve(setup: &str, port: u16, env: &str) {
             "postgres-partitioned" => layered(Arc::new(
                 postgres_store(&database_url, &partitioned(&schema)).await,
             )),
-            "tiered" | "tiered-single" => layered(Arc::new(TieredStore::new(
+            "tiered" | "tiered-single" | "tiered-window" => layered(Arc::new(TieredStore::new(
                 redis_store(&redis_url, &prefix),
                 postgres_store(&database_url, &schema)
                     .await
-                    .with_max_batch(max_batch(&setup)),
+                    .with_max_batch(max_batch(&setup))
+                    .with_batch_window(batch_window(&setup)),
             ))),
             "naive" | "naive-valkey" => {
                 let url = if setup == "naive" {
@@ -196,10 +197,7 @@ pub(crate) fn partitioned(schema: &str) -> String {
     format!("{schema}_partitioned")
 }
 
-/// How many claims or completions a setup's Postgres store sends in one statement: one for the
-/// `-single` setups (each call on its own statement: the store before batches), the store's
-/// default otherwise.
-/// 1 ms for the "-window" setups, else none.
+/// A setup's batch window (`with_batch_window`): 1 ms for the "-window" setups, else none.
 fn batch_window(setup: &str) -> Duration {
     match setup.ends_with("-window") {
         true => Duration::from_millis(1),
@@ -207,6 +205,9 @@ fn batch_window(setup: &str) -> Duration {
     }
 }
 
+/// How many claims or completions a setup's Postgres store sends in one statement: one for the
+/// `-single` setups (each call on its own statement: the store before batches), the store's
+/// default otherwise.
 pub(crate) fn max_batch(setup: &str) -> usize {
     if setup.ends_with("-single") {
         1

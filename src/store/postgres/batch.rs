@@ -6,7 +6,9 @@
 //! [`with_max_batch`](PostgresStore::with_max_batch), 64 by default) and sends it, until the
 //! queue is empty. A call that finds a lane free starts one at once, so an idle store sends it
 //! alone, with no wait; only when every lane is busy does a call wait, and then it goes out with
-//! the others that queued meanwhile. Each kind of call has lanes of its own.
+//! the others that queued meanwhile. With a batch window
+//! ([`with_batch_window`](PostgresStore::with_batch_window)) a lane that starts waits that long
+//! first, or until a full batch is queued. Each kind of call has lanes of its own.
 //!
 //! Each key's answer is its own, and the one the call sent alone gets. Every batch, of one call
 //! or many, is one set-based statement. A claim's is `claim.rs`'s. A renewal never waits on a

@@ -138,7 +138,7 @@ impl Lanes {
     /// CPU and 114 µs of Postgres CPU a request, four at 71-82 and 164; one lane was no faster,
     /// with a longer tail. One lane each for releases and renewals, whose batches are rarer.
     /// With batches of one, a lane is a statement: every kind may use every connection, as
-    /// before batches.
+    /// before batches, and there is no window to wait.
     fn new(connections: usize, max_batch: usize, window: Duration) -> Self {
         let (busy, rare, window) = if max_batch > 1 {
             (connections / 8, 1, window)
