@@ -281,7 +281,7 @@ impl PostgresStore {
     /// Postgres"): at 4,000 fresh keys a second, a 1 ms window cut Postgres's CPU a key from
     /// 230–239 µs to 101–145 (0.29–0.31 commits a key instead of 0.72–1.04) and added 0.5–1.7 ms
     /// to the median latency; at full load (64 clients, each waiting for its answer) it served
-    /// 0.95–1.25x the keys at 52–57 µs of Postgres CPU a key instead of 86–102. Set it where
+    /// 0.95–1.25x the keys at 51–57 µs of Postgres CPU a key instead of 86–102. Set it where
     /// Postgres's CPU is what runs out; leave it at zero where every millisecond counts.
     /// A lane sends as soon as a full batch ([`with_max_batch`](Self::with_max_batch)) is
     /// queued; with batches of one the window does nothing. The wait counts against each call's
