@@ -144,22 +144,17 @@ impl RedisStore {
         .await
     }
 
-    /// What the store's server offers, asked once (see [`offers`](Self::offers)); the error
-    /// while it cannot be asked, to ask again next time.
-    async fn known_offers(&self) -> Result<Offers, StoreError> {
-        if let Some(known) = self.known.get() {
-            return Ok(known);
-        }
-        let offers = self.offers(&None).await?;
-        self.known.learn(offers);
-        Ok(offers)
-    }
-
-    /// Whether the store's server has `command` (see [`known_offers`](Self::known_offers));
-    /// `false` while it cannot be asked.
+    /// Whether the store's server has `command`, asked once (see [`offers`](Self::offers));
+    /// `false` while it cannot be asked, to ask again next time.
     async fn offered(&self, command: Offers) -> bool {
-        match self.known_offers().await {
-            Ok(offers) => offers.has(command),
+        if let Some(known) = self.known.get() {
+            return known.has(command);
+        }
+        match self.offers(&None).await {
+            Ok(offers) => {
+                self.known.learn(offers);
+                offers.has(command)
+            }
             Err(error) => {
                 tracing::debug!(%error, "could not ask Redis for its compare-and-set commands: scripts do this change");
                 false
@@ -181,9 +176,7 @@ impl RedisStore {
         &self,
         request: &ClaimRequest,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
-        // A server that cannot be asked fails the claim now, as the script would, rather
-        // than after the script's own wait.
-        if !self.known_offers().await?.has(Offers::SET_NX_GET) {
+        if !self.offered(Offers::SET_NX_GET).await {
             return Ok(None);
         }
         let since_epoch = SystemTime::now()
