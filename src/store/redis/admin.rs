@@ -150,9 +150,8 @@ fn tombstone_info(
     })
 }
 
-/// What a record says, for an operator: `now` is the Redis server's clock in microseconds, and
-/// so is the fence (the claim's time), or the claiming machine's on a record claimed without a
-/// script.
+/// What a record says, for an operator: `now` and the fence (the claim's time) are the Redis
+/// server's clock in microseconds.
 fn record_info(
     record: RecordKey,
     value: &[u8],
@@ -180,6 +179,6 @@ fn record_info(
 }
 
 /// `TIME`'s answer (seconds, microseconds) in microseconds.
-pub(super) fn micros((seconds, micros): (u64, u64)) -> u128 {
+fn micros((seconds, micros): (u64, u64)) -> u128 {
     u128::from(seconds) * 1_000_000 + u128::from(micros)
 }
