@@ -100,25 +100,25 @@ async fn replays_soon_after_cost_no_round_trip_and_fresh_keys_cost_the_same() {
     let app = app(setup.cached.clone(), &runs);
     let first = call(&app, order("k-hot", "a")).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let after_first = setup.redis.calls("evalsha").await;
+    let after_first = setup.redis.claims_and_scripts().await;
     for _ in 0..5 {
         let replay = call(&app, order("k-hot", "a")).await;
         assert!(replay.replayed());
         assert_eq!(replay.body, first.body);
     }
     assert_eq!(
-        setup.redis.calls("evalsha").await,
+        setup.redis.claims_and_scripts().await,
         after_first,
         "replays reached Redis"
     );
-    // A fresh key: the same scripts as without the cache (claim, complete).
+    // A fresh key: the same calls as without the cache (claim, complete).
     let uncached = app_without_cache(&setup, &runs);
-    let before = setup.redis.calls("evalsha").await;
+    let before = setup.redis.claims_and_scripts().await;
     call(&uncached, order("k-plain", "a")).await;
-    let plain = setup.redis.calls("evalsha").await - before;
-    let before = setup.redis.calls("evalsha").await;
+    let plain = setup.redis.claims_and_scripts().await - before;
+    let before = setup.redis.claims_and_scripts().await;
     call(&app, order("k-fresh", "a")).await;
-    assert_eq!(setup.redis.calls("evalsha").await - before, plain);
+    assert_eq!(setup.redis.claims_and_scripts().await - before, plain);
     assert_eq!(runs.load(SeqCst), 3);
 }
 
@@ -147,10 +147,10 @@ async fn only_a_lease_made_from_its_claim_has_its_answer_kept() {
         };
         let held = setup.cached.complete(&lease, &response, retention).await;
         assert_eq!(held.unwrap(), Ownership::Held);
-        let before = setup.redis.calls("evalsha").await;
+        let before = setup.redis.claims_and_scripts().await;
         let replay = setup.cached.claim(&request()).await.unwrap();
         assert!(matches!(replay, ClaimOutcome::Completed { .. }), "{key}");
-        let after = setup.redis.calls("evalsha").await;
+        let after = setup.redis.claims_and_scripts().await;
         assert_eq!(
             after - before,
             round_trips,
@@ -266,18 +266,18 @@ async fn the_cache_keeps_to_its_budget() {
     for key in ["k-1", "k-2", "k-3"] {
         call(&app, order(key, "a")).await;
     }
-    let before = setup.redis.calls("evalsha").await;
+    let before = setup.redis.claims_and_scripts().await;
     for key in ["k-2", "k-3"] {
         assert!(call(&app, order(key, "a")).await.replayed());
     }
     assert_eq!(
-        setup.redis.calls("evalsha").await,
+        setup.redis.claims_and_scripts().await,
         before,
         "k-2 and k-3 are cached"
     );
     assert!(call(&app, order("k-1", "a")).await.replayed());
     assert_eq!(
-        setup.redis.calls("evalsha").await,
+        setup.redis.claims_and_scripts().await,
         before + 1,
         "k-1 was evicted, and replayed by Redis"
     );
@@ -355,12 +355,12 @@ mod watched {
         let app = app(watched(&setup, BOUND), &runs);
         let first = watch(&setup, &app, "k-watched", 1).await;
         tokio::time::sleep(BOUND + Duration::from_millis(300)).await;
-        let before = setup.redis.calls("evalsha").await;
+        let before = setup.redis.claims_and_scripts().await;
         let replay = call(&app, order("k-watched", "a")).await;
         assert!(replay.replayed());
         assert_eq!(replay.body, first.body);
         assert_eq!(
-            setup.redis.calls("evalsha").await,
+            setup.redis.claims_and_scripts().await,
             before,
             "the replay reached Redis"
         );
@@ -420,10 +420,10 @@ mod watched {
         let killed = kill_tracking_clients(&setup).await;
         assert_eq!(killed, 1, "one tracking connection");
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let before = setup.redis.calls("evalsha").await;
+        let before = setup.redis.claims_and_scripts().await;
         assert!(call(&app, order("k-lost", "a")).await.replayed());
         assert_eq!(
-            setup.redis.calls("evalsha").await,
+            setup.redis.claims_and_scripts().await,
             before + 1,
             "asked Redis again"
         );
@@ -453,10 +453,10 @@ mod watched {
         let app = app(cached, &runs);
         watch(&setup, &app, "k-silent", 1).await;
         tokio::time::sleep(bound + Duration::from_millis(100)).await;
-        let before = setup.redis.calls("evalsha").await;
+        let before = setup.redis.claims_and_scripts().await;
         assert!(call(&app, order("k-silent", "a")).await.replayed());
         assert_eq!(
-            setup.redis.calls("evalsha").await,
+            setup.redis.claims_and_scripts().await,
             before,
             "watched, past the timer"
         );

@@ -447,7 +447,7 @@ async fn complete_and_watch(
             .await;
         assert_eq!(completed.unwrap(), Ownership::Held);
     }
-    // Asked again: served from memory, and watched (the scripts' own `GET`s are done by now).
+    // Asked again: served from memory, and watched (the store's own calls are done by now).
     let gets_before = calls_per_master(cluster, "get");
     for key in keys {
         let again = cached.claim(&claim_request(key, LEASE)).await.unwrap();
@@ -469,18 +469,19 @@ async fn complete_and_watch(
     }
 }
 
-/// How many scripts reached the cluster while every key was asked for again, past the bound.
-async fn scripts_past_the_bound(
+/// How many claims (scripts, or transactions) reached the cluster while every key was asked for
+/// again, past the bound.
+async fn claims_past_the_bound(
     cluster: &RedisCluster,
     cached: &CachedStore<RedisStore>,
     keys: &[String],
 ) -> u64 {
-    scripts_on(cluster, &cluster.masters(), cached, keys, BOUND).await
+    claims_on(cluster, &cluster.masters(), cached, keys, BOUND).await
 }
 
-/// How many scripts reached the masters of `ports` (which hold `keys`) while every key was
-/// asked for again, past the cache's `bound`.
-async fn scripts_on(
+/// How many claims (scripts, or transactions) reached the masters of `ports` (which hold `keys`)
+/// while every key was asked for again, past the cache's `bound`.
+async fn claims_on(
     cluster: &RedisCluster,
     ports: &[u16],
     cached: &CachedStore<RedisStore>,
@@ -488,7 +489,11 @@ async fn scripts_on(
     bound: Duration,
 ) -> u64 {
     tokio::time::sleep(2 * bound).await;
-    let before: u64 = calls_on(cluster, ports, "evalsha").iter().sum();
+    let claims = || -> u64 {
+        let scripts = calls_on(cluster, ports, "evalsha").into_iter();
+        scripts.chain(calls_on(cluster, ports, "exec")).sum()
+    };
+    let before = claims();
     for key in keys {
         // A master frozen, or failing over meanwhile, may keep the cluster from answering in
         // the store's time: asked again (each attempt may count).
@@ -496,7 +501,7 @@ async fn scripts_on(
         let replay = eventually(Duration::from_secs(10), key, || cached.claim(&request)).await;
         assert!(matches!(replay, ClaimOutcome::Completed { .. }), "{key}");
     }
-    calls_on(cluster, ports, "evalsha").iter().sum::<u64>() - before
+    claims() - before
 }
 
 /// Forgets every key through `store` (another process), and waits until `cached` no longer
@@ -533,8 +538,8 @@ async fn forgotten_elsewhere(
 /// trip while nothing changes, and go the moment another process forgets them.
 async fn the_replay_cache_is_told_by_every_master() {
     let Watched(cluster, store, cached, keys) = watched_cluster(BOUND).await;
-    let scripts = scripts_past_the_bound(&cluster, &cached, &keys).await;
-    assert_eq!(scripts, 0, "replays past the bound reached the cluster");
+    let claims = claims_past_the_bound(&cluster, &cached, &keys).await;
+    assert_eq!(claims, 0, "replays past the bound reached the cluster");
     forgotten_elsewhere(&store, &cached, &keys).await;
 }
 
@@ -561,7 +566,7 @@ async fn after_a_resharding_answers_are_watched_where_their_slots_went() {
     // Asked for again until they are watched again: each round served past the bound without a
     // script, once the watcher reads every key on its new master.
     let deadline = Instant::now() + Duration::from_secs(15);
-    while scripts_past_the_bound(&cluster, &cached, &keys).await > 0 {
+    while claims_past_the_bound(&cluster, &cached, &keys).await > 0 {
         assert!(
             Instant::now() < deadline,
             "never watched again after the resharding"
@@ -594,14 +599,14 @@ async fn one_master_lost_or_silent_ends_what_the_watcher_vouches_for() {
     assert_eq!(tracking.len(), 1, "one tracking connection per master");
     cluster.cli(master, &["client", "kill", "id", tracking[0]]);
     let masters = cluster.masters();
-    let scripts = scripts_on(&cluster, &masters, &cached, &keys, bound).await;
+    let claims = claims_on(&cluster, &masters, &cached, &keys, bound).await;
     assert_eq!(
-        scripts,
+        claims,
         keys.len() as u64,
         "every answer went back to the store"
     );
     let deadline = Instant::now() + Duration::from_secs(20);
-    while scripts_on(&cluster, &masters, &cached, &keys, bound).await > 0 {
+    while claims_on(&cluster, &masters, &cached, &keys, bound).await > 0 {
         assert!(Instant::now() < deadline, "never watched again");
     }
 
@@ -623,11 +628,11 @@ async fn one_master_lost_or_silent_ends_what_the_watcher_vouches_for() {
         .filter(|&p| p != master)
         .collect();
     let frozen = Frozen::new(cluster.pid_of(master));
-    let scripts = scripts_on(&cluster, &live, &cached, &elsewhere, bound).await;
+    let claims = claims_on(&cluster, &live, &cached, &elsewhere, bound).await;
     drop(frozen);
     assert!(
-        scripts >= elsewhere.len() as u64,
-        "answers served from memory while a master was silent: {scripts} scripts for {} keys",
+        claims >= elsewhere.len() as u64,
+        "answers served from memory while a master was silent: {claims} claims for {} keys",
         elsewhere.len()
     );
 }
@@ -672,8 +677,8 @@ async fn a_key_in_a_migrating_slot_is_left_unwatched_and_the_others_stay_watched
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let scripts = scripts_past_the_bound(&cluster, &cached, others).await;
-    assert_eq!(scripts, 0, "the other answers were dropped");
+    let claims = claims_past_the_bound(&cluster, &cached, others).await;
+    assert_eq!(claims, 0, "the other answers were dropped");
 }
 
 /// How many keys the node of `port` holds in `slot`.

@@ -70,26 +70,39 @@ async fn a_healthy_setup_reports_every_check_and_nothing_to_fix() {
 /// The version line says which compare-and-set commands the server has, as the server itself
 /// answers them (not from its version string), and which of the store's changes use them: on
 /// Redis 7 and 8.2 none, on Valkey 8.1 `SET … IFEQ`, on Valkey 9.1 `DELIFEQ` too; and how a
-/// claim runs, alone and in front of an authority (every server CI runs has `SET … NX GET`).
+/// claim runs (every server CI runs has `SET … NX GET`): by command, or where the store keeps
+/// tombstones by claim.lua alone and by command in front of an authority.
 #[tokio::test]
 async fn the_version_line_names_the_compare_and_set_commands_the_server_has() {
     let redis = RedisServer::start().await;
-    let diagnosis = RedisStore::open(&redis.url()).unwrap().diagnose().await;
-    let line = &diagnosis
-        .of("version")
-        .next()
-        .expect("a version line")
-        .message;
     let (set_ifeq, delifeq) = (redis.has_set_ifeq().await, redis.has_delifeq().await);
-    assert_eq!(line.contains("SET IFEQ"), set_ifeq, "{line}");
-    assert_eq!(line.contains("DELIFEQ"), delifeq, "{line}");
     let uses = match (set_ifeq, delifeq) {
         (true, true) => "completion and renewal use SET IFEQ, release DELIFEQ",
         (true, false) => "completion and renewal use SET IFEQ",
         _ => "completion, renewal and release run scripts",
     };
-    let claims = "a claim runs claim.lua, in front of an authority one SET NX GET in a transaction";
-    assert!(line.ends_with(&format!("{uses}; {claims}")), "{line}");
+    let plain = RedisStore::open(&redis.url()).unwrap();
+    let with_tombstones = plain
+        .clone()
+        .with_tombstones(std::time::Duration::from_secs(60));
+    for (store, claims) in [
+        (plain, "a claim is one SET NX GET in a transaction"),
+        (
+            with_tombstones,
+            "a claim runs claim.lua (it reads the tombstone), in front of an authority one SET \
+             NX GET in a transaction",
+        ),
+    ] {
+        let diagnosis = store.diagnose().await;
+        let line = &diagnosis
+            .of("version")
+            .next()
+            .expect("a version line")
+            .message;
+        assert_eq!(line.contains("SET IFEQ"), set_ifeq, "{line}");
+        assert_eq!(line.contains("DELIFEQ"), delifeq, "{line}");
+        assert!(line.ends_with(&format!("{uses}; {claims}")), "{line}");
+    }
 }
 
 #[tokio::test]

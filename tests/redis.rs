@@ -18,7 +18,7 @@ use tower::ServiceExt;
 use tower_idempotency::{
     IdempotencyLayer, conformance,
     store::StoredResponse,
-    store::{ClaimOutcome, Ownership, RedisStore, Store, StoreError},
+    store::{ClaimOutcome, ClaimRequest, Ownership, RedisStore, Store, StoreError},
 };
 use uuid::Uuid;
 
@@ -175,9 +175,9 @@ async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_wher
     assert_eq!(store.release(&lease).await.unwrap(), Ownership::Lost);
     assert_eq!(store.release(&again).await.unwrap(), Ownership::Held);
 
-    // A script's own `redis.call`s count too: each claim that acquires is one SET inside
-    // claim.lua, each scripted completion one inside complete.lua (renew.lua's is a PEXPIRE),
-    // each scripted release that deletes one DEL inside release.lua.
+    // A script's own `redis.call`s count too, and so do a transaction's commands: each claim is
+    // one SET (NX GET) in a transaction, each scripted completion one SET inside complete.lua
+    // (renew.lua's is a PEXPIRE), each scripted release that deletes one DEL inside release.lua.
     let count = async |command: &str| server.calls(command).await;
     let counts = (
         count("evalsha").await,
@@ -185,67 +185,81 @@ async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_wher
         count("delifeq").await,
         count("del").await,
     );
-    // 4 claims that acquire and 2 replays always run claim.lua.
+    // 4 claims that acquire and 2 replays are transactions, whatever the server.
+    assert_eq!(count("exec").await, 6, "claims made by command");
     match (server.has_set_ifeq().await, server.has_delifeq().await) {
         // Renewals and completions are one SET each, releases one DELIFEQ each.
-        (true, true) => assert_eq!(counts, (6, 4 + 6, 5, 0)),
+        (true, true) => assert_eq!(counts, (0, 6 + 6, 5, 0)),
         // Releases run release.lua.
-        (true, false) => assert_eq!(counts, (6 + 5, 4 + 6, 0, 2)),
-        // Every call runs a script.
-        (false, false) => assert_eq!(counts, (6 + 6 + 5, 4 + 2, 0, 2)),
+        (true, false) => assert_eq!(counts, (5, 6 + 6, 0, 2)),
+        // Every finalize runs a script.
+        (false, false) => assert_eq!(counts, (6 + 5, 6 + 2, 0, 2)),
         (false, true) => panic!("a server with DELIFEQ and without SET … IFEQ"),
     }
     assert_eq!(server.calls("command|docs").await, 0, "asked again");
 }
 
-/// In front of an authority the store claims with one `SET … NX GET` and a `PTTL` in a
-/// transaction (`Store::claim_in_front`), and its answers are a claim's: granted, granted again
-/// to its owner with the same fence, in flight to another owner for what is left of the lease,
-/// a mismatch to another request, the answer to a retry with what is left of the retention. The
-/// record is the one claim.lua writes: the script reads it, and the lease finalizes it.
+/// Without tombstones the store claims with one `SET … NX GET`, a `PTTL` and a `TIME` in a
+/// transaction, and so does it in front of an authority (`Store::claim_in_front`) even with
+/// tombstones. Its answers are claim.lua's: granted, granted again to its owner with a fence no
+/// earlier, in flight to another owner for what is left of the lease, a mismatch to another
+/// request, the answer to a retry with what is left of the retention. The record is the one
+/// claim.lua writes: the script (which a store with tombstones claims with) reads it, and the
+/// lease finalizes it.
 #[tokio::test]
-async fn a_claim_in_front_answers_as_a_claim_does_without_a_script() {
+async fn a_claim_by_command_answers_as_claim_lua_does() {
     let server = RedisServer::start().await;
-    let store = store_on(&server.url());
+    let plain = store_on(&server.url());
+    let with_tombstones = plain.clone().with_tombstones(Duration::from_secs(3600));
     let lease = Duration::from_secs(30);
-    let request = claim_request("k-front", lease);
-    server.reset_stats().await;
-
-    let ClaimOutcome::Acquired { fence } = store.claim_in_front(&request).await.unwrap() else {
-        panic!("not acquired");
-    };
-    let again = store.claim_in_front(&request).await.unwrap();
-    assert_eq!(again, ClaimOutcome::Acquired { fence });
-    match store.claim_in_front(&claim_request("k-front", lease)).await {
-        Ok(ClaimOutcome::InFlight { retry_after }) => {
-            assert!(retry_after <= lease && retry_after > lease - Duration::from_secs(5));
+    for (key, in_front) in [("k-alone", false), ("k-front", true)] {
+        let claim = async |request: &ClaimRequest| match in_front {
+            false => plain.claim(request).await.unwrap(),
+            true => with_tombstones.claim_in_front(request).await.unwrap(),
+        };
+        let request = claim_request(key, lease);
+        server.reset_stats().await;
+        let ClaimOutcome::Acquired { fence } = claim(&request).await else {
+            panic!("{key}: not acquired");
+        };
+        match claim(&request).await {
+            ClaimOutcome::Acquired { fence: again } => assert!(again >= fence, "an earlier fence"),
+            other => panic!("{key}: the owner asked again got {other:?}"),
         }
-        other => panic!("another owner got {other:?}"),
-    }
-    let other_body = conformance::claim_request("tenant", "k-front", "another body", lease);
-    let mismatch = store.claim_in_front(&other_body).await.unwrap();
-    assert_eq!(mismatch, ClaimOutcome::Mismatch);
-    assert_eq!(server.calls("evalsha").await, 0, "a script claimed");
+        match claim(&claim_request(key, lease)).await {
+            ClaimOutcome::InFlight { retry_after } => {
+                assert!(retry_after <= lease && retry_after > lease - Duration::from_secs(5));
+            }
+            other => panic!("{key}: another owner got {other:?}"),
+        }
+        let other_body = conformance::claim_request("tenant", key, "another body", lease);
+        assert_eq!(claim(&other_body).await, ClaimOutcome::Mismatch);
+        assert_eq!(server.calls("evalsha").await, 0, "{key}: a script claimed");
+        assert_eq!(server.calls("exec").await, 4, "{key}: claims by command");
 
-    let retention = Duration::from_secs(3600);
-    let held = request.lease_with_fence(fence);
-    let response = ok_response();
-    let completed = store.complete(&held, &response, retention);
-    assert_eq!(completed.await.unwrap(), Ownership::Held);
-    for replay in [
-        store.claim_in_front(&request).await,
-        store.claim(&request).await,
-    ] {
-        match replay.unwrap() {
-            ClaimOutcome::Completed {
+        let retention = Duration::from_secs(3600);
+        let held = request.lease_with_fence(fence);
+        let response = ok_response();
+        let completed = plain.complete(&held, &response, retention);
+        assert_eq!(completed.await.unwrap(), Ownership::Held);
+        server.reset_stats().await;
+        for by_script in [false, true] {
+            let replay = match by_script {
+                false => claim(&request).await,
+                true => with_tombstones.claim(&request).await.unwrap(),
+            };
+            let ClaimOutcome::Completed {
                 response,
                 expires_in,
-            } => {
-                assert_eq!(response, ok_response());
-                assert!(expires_in <= retention && expires_in > retention - Duration::from_secs(5));
-            }
-            other => panic!("expected a replay, got {other:?}"),
+            } = replay
+            else {
+                panic!("{key}: expected a replay, got {replay:?}");
+            };
+            assert_eq!(response, ok_response());
+            assert!(expires_in <= retention && expires_in > retention - Duration::from_secs(5));
         }
+        let calls = (server.calls("exec").await, server.calls("evalsha").await);
+        assert_eq!(calls, (1, 1), "{key}: one replay each way");
     }
 }
 

@@ -95,8 +95,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// [`store_conformance_tests!`](crate::store_conformance_tests) in their tests to check.
 pub trait Store: Send + Sync + 'static {
     /// Takes `request.record()` for `request.owner()`, or reports why not. A claim asked
-    /// again by the owner that holds the key in flight is granted again, with the same fence:
-    /// the layer asks again when a claim's answer was lost on its way.
+    /// again by the owner that holds the key in flight is granted again, with the same fence
+    /// or a later one that is still below every later claim's: the layer asks again when a
+    /// claim's answer was lost on its way, and goes on with the second answer.
     fn claim<'a>(
         &'a self,
         request: &'a ClaimRequest,
@@ -108,8 +109,9 @@ pub trait Store: Send + Sync + 'static {
     /// authority's), and the authority's tombstones are the ones that count, so this claim
     /// need not draw a fence that grows across claims, nor read tombstones; everything else is
     /// as `claim`: it grants a free key for the lease, answers a held key's record with what is
-    /// left of its life, and grants a claim asked again by its owner with the same fence. By
-    /// default, `claim`; the Redis store does it with one `SET … NX GET` instead of a script.
+    /// left of its life, and grants a claim asked again by its owner. By default, `claim`; the
+    /// Redis store claims with one `SET … NX GET` either way, and here even where it keeps
+    /// tombstones.
     fn claim_in_front<'a>(
         &'a self,
         request: &'a ClaimRequest,
@@ -369,7 +371,9 @@ pub struct RecordInfo {
     pub record: RecordKey,
     /// Where the key stands.
     pub state: RecordState,
-    /// The fence of the claim that holds (or completed) it.
+    /// The fence of the claim that holds (or completed) it, as the record keeps it. A Redis
+    /// record claimed without a script keeps the fence that names it (the claiming machine's
+    /// clock, in µs), not the one granted (the Redis server's clock a moment later).
     pub fence: u64,
     /// The owner token of that claim.
     pub owner: Uuid,
@@ -595,9 +599,10 @@ impl ClaimRequest {
 }
 
 /// What the Redis store wrote when it granted a claim: the fingerprint and the fence of its
-/// in-flight record (which, behind [`TieredStore`], is not the lease's fence: that one is the
-/// authority's). With the owner token they make the record's exact bytes, so a server that
-/// compares and sets (`SET … IFEQ`) finalizes without a script.
+/// in-flight record (which, where it claimed without a script, names the record but is not the
+/// lease's fence: that one is the server's clock, or behind [`TieredStore`] the authority's).
+/// With the owner token they make the record's exact bytes, so a server that compares and sets
+/// (`SET … IFEQ`) finalizes without a script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) struct Receipt<'a> {

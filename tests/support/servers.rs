@@ -153,6 +153,12 @@ impl RedisServer {
         stats("calls") - stats("failed_calls")
     }
 
+    /// How many claims and scripts the server ran since the last reset: `EVALSHA`s, and the
+    /// transactions (`EXEC`) of claims made without a script. A replay the store answers is one.
+    pub async fn claims_and_scripts(&self) -> u64 {
+        self.calls("evalsha").await + self.calls("exec").await
+    }
+
     /// How many calls of `command` (lower case) the server answered with an error since the last
     /// reset: refused before running (a syntax error) or failed while running.
     pub async fn errors(&self, command: &str) -> u64 {

@@ -150,8 +150,9 @@ fn tombstone_info(
     })
 }
 
-/// What a record says, for an operator: `now` and the fence (the claim's time) are the Redis
-/// server's clock in microseconds.
+/// What a record says, for an operator: `now` is the Redis server's clock in microseconds, and
+/// so is the fence (the claim's time), or the claiming machine's on a record claimed without a
+/// script.
 fn record_info(
     record: RecordKey,
     value: &[u8],
@@ -179,6 +180,6 @@ fn record_info(
 }
 
 /// `TIME`'s answer (seconds, microseconds) in microseconds.
-fn micros((seconds, micros): (u64, u64)) -> u128 {
+pub(super) fn micros((seconds, micros): (u64, u64)) -> u128 {
     u128::from(seconds) * 1_000_000 + u128::from(micros)
 }

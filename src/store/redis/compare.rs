@@ -162,14 +162,16 @@ impl RedisStore {
         }
     }
 
-    /// The claim of a store in front of an authority (see [`Store::claim_in_front`]): one
-    /// `SET … NX GET PX` and a `PTTL`, in one transaction (`MULTI`), instead of claim.lua. The
-    /// record is the one claim.lua writes, with the fence taken from this machine's clock: it
-    /// names the record (completion and release compare the whole of it), the authority's
-    /// fence is the handler's. `None` where the server has no `SET … NX GET` (or refuses it):
-    /// the caller runs claim.lua.
-    ///
-    /// [`Store::claim_in_front`]: crate::store::Store::claim_in_front
+    /// A claim without a script: one `SET … NX GET PX`, a `PTTL` and a `TIME`, in one
+    /// transaction (`MULTI`), instead of claim.lua. The record written is the one claim.lua
+    /// writes, named by a fence from this machine's clock (completion and release compare the
+    /// whole of it); the fence granted is the server's clock read in the same transaction,
+    /// while the record is the claimant's, so it grows across claims, expiries and releases as
+    /// claim.lua's does. A claim asked again by its owner is granted again with the server's
+    /// clock of that moment: still later than every earlier claim's fence, and earlier than
+    /// every later one's. Tombstones are not read here (a store that keeps them claims with
+    /// claim.lua, a store in front of an authority leaves them to it). `None` where the server
+    /// has no `SET … NX GET` (Redis before 7.0), or refuses it: the caller runs claim.lua.
     pub(super) async fn claim_by_command(
         &self,
         request: &ClaimRequest,
@@ -180,42 +182,52 @@ impl RedisStore {
         let since_epoch = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
-        let fence = u64::try_from(since_epoch.as_micros()).unwrap_or(u64::MAX);
+        let name = u64::try_from(since_epoch.as_micros()).unwrap_or(u64::MAX);
         let corrupt = |reason: String| StoreError::corrupt(STORE, request.record(), reason);
-        let record = record::in_flight(request.fingerprint(), request.owner(), fence)
-            .ok_or_else(|| corrupt(format!("this machine's clock reads {fence} µs")))?;
+        let record = record::in_flight(request.fingerprint(), request.owner(), name)
+            .ok_or_else(|| corrupt(format!("this machine's clock reads {name} µs")))?;
         let key = self.record_key(request.record());
         let mut claim = ::redis::pipe();
         claim.atomic();
         claim.cmd("SET").arg(&key).arg(record).arg("NX").arg("GET");
         claim.arg("PX").arg(super::millis(request.lease()));
         claim.cmd("PTTL").arg(&key);
+        claim.cmd("TIME");
+        type Reply = (Option<Vec<u8>>, i64, (u64, u64));
         let reply = self
-            .call(async |connection| {
-                match claim
-                    .query_async::<(Option<Vec<u8>>, i64)>(connection)
-                    .await
-                {
+            .call(
+                async |connection| match claim.query_async::<Reply>(connection).await {
                     Err(error) if refusal(&error) => {
                         tracing::debug!(%error, "Redis refused SET … NX GET: claim.lua claims");
                         Ok(None)
                     }
                     reply => reply.map(Some),
-                }
-            })
+                },
+            )
             .await?;
-        let Some((held, left)) = reply else {
+        let Some((held, left, time)) = reply else {
             self.known.refuse(Offers::SET_NX_GET);
             return Ok(None);
         };
         let outcome = match held {
-            None => ClaimOutcome::Acquired { fence },
+            None => ClaimOutcome::Acquired { fence: name },
             Some(held) => {
                 let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
                 super::read_record(&held, request, left).map_err(corrupt)?
             }
         };
-        Ok(Some(outcome))
+        // The record this claim (or its owner's first) wrote is named by its fence; the
+        // claim's fence is the server's clock.
+        Ok(Some(match outcome {
+            ClaimOutcome::Acquired { fence: written } => {
+                request.note_written(written);
+                let fence = super::admin::micros(time);
+                ClaimOutcome::Acquired {
+                    fence: u64::try_from(fence).unwrap_or(u64::MAX),
+                }
+            }
+            other => other,
+        }))
     }
 
     /// Runs `command`, made from the lease's Redis key and the exact record its claim wrote, and

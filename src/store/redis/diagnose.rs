@@ -55,7 +55,7 @@ impl RedisStore {
         match self.info(node, "server").await {
             Ok(server) => {
                 let offers = self.offers(node).await.unwrap_or_default();
-                let (severity, message) = version(&server, offers);
+                let (severity, message) = version(&server, offers, !self.horizon.is_zero());
                 diagnosis.push(severity, STORE, "version", format!("{on}{message}"));
             }
             Err(error) => {
@@ -191,9 +191,10 @@ fn triple(version: &str) -> (u32, u32, u32) {
     (next(), next(), next())
 }
 
-/// The server's name and version, and which of the compare-and-set commands it `offers` (as
-/// the server says, not from its version) the store uses.
-fn version(server: &Info, offers: Offers) -> (Severity, String) {
+/// The server's name and version, and which of the commands it `offers` (as the server says,
+/// not from its version) the store uses, which for a claim depends on whether it keeps
+/// `tombstones`.
+fn version(server: &Info, offers: Offers, tombstones: bool) -> (Severity, String) {
     let (name, version) = match server.get("valkey_version") {
         Some(version) => ("Valkey", version),
         None => ("Redis", server.get("redis_version").unwrap_or("unknown")),
@@ -205,9 +206,13 @@ fn version(server: &Info, offers: Offers) -> (Severity, String) {
         (false, true) => "release uses DELIFEQ",
         (false, false) => "completion, renewal and release run scripts",
     };
-    let claims = match offers.has(Offers::SET_NX_GET) {
-        true => "a claim runs claim.lua, in front of an authority one SET NX GET in a transaction",
-        false => "a claim runs claim.lua, in front of an authority too",
+    let claims = match (offers.has(Offers::SET_NX_GET), tombstones) {
+        (true, false) => "a claim is one SET NX GET in a transaction",
+        (true, true) => {
+            "a claim runs claim.lua (it reads the tombstone), in front of an authority one SET NX \
+             GET in a transaction"
+        }
+        (false, _) => "a claim runs claim.lua, in front of an authority too",
     };
     let names = offers.names();
     let offers = match names.is_empty() {

@@ -33,30 +33,40 @@ use crate::response::StoredResponse;
 ///
 /// Each idempotency key is one Redis string, `{prefix}{scope length}:{scope}:{key}`: a layout
 /// byte, the state, the fingerprint, the owner token, the fence and, once completed, the
-/// encoded response; about 70 bytes in flight. Each operation is one Lua script that touches
-/// only that key (and, [with tombstones](Self::with_tombstones), the one beside it, in its hash
-/// slot), so it works on Redis Cluster too: a claim returns the record there, or creates
-/// one, and the other scripts (shipped in `lua/`) check the owner token before any write. Leases
-/// and retention are Redis expiries (`PX`, `PEXPIRE`, `PTTL`), measured on the server's clock.
+/// encoded response; about 70 bytes in flight. Each operation is one call that touches only
+/// that key (and, [with tombstones](Self::with_tombstones), the one beside it, in its hash
+/// slot), so it works on Redis Cluster too: a claim returns the record there, or creates one,
+/// and completion, renewal and release check the owner token before any write, in a Lua script
+/// (shipped in `lua/`) or a compare-and-set command. Leases and retention are Redis expiries
+/// (`PX`, `PEXPIRE`, `PTTL`), measured on the server's clock.
 ///
-/// # Compare-and-set where the server has it
+/// # Commands where the server has them, scripts where it has not
+///
+/// On Redis 7.0 and newer (and Valkey) a claim is not a script but one `SET … NX GET PX`, a
+/// `PTTL` and a `TIME` in one transaction (`MULTI`): the `SET` creates the record or answers
+/// the one there, the `PTTL` says what is left of its life, and the fence is the server's clock
+/// read while the record is the claimant's, so fences grow across claims, expiries and releases
+/// as they did when claim.lua drew them (a third to a half of the script's server time on a
+/// fresh key, about half on a replay; see `BENCHMARKS.md`). The record is named by this
+/// machine's clock (its fence field, which completion and release compare; the operator's
+/// views read a record's age from it). A claim asked again by its owner is granted with the
+/// server's clock of that moment, a later fence than its first answer's. A store
+/// [with tombstones](Self::with_tombstones) claims with claim.lua, which reads the tombstone in
+/// the same call, and so does a server without `SET … NX GET`.
 ///
 /// On a server with `SET … IFEQ` (Valkey 8.1 and newer, Redis 8.4 and newer) completion and
 /// renewal are not scripts but one `SET` conditional on the whole in-flight record the claim
 /// wrote (layout, fingerprint, owner token and fence: a reclaimed or completed key never
 /// matches), which costs the server a fraction of a script (see `BENCHMARKS.md`); on a server
-/// with `DELIFEQ` (Valkey 9.0 and newer) release is one `DELIFEQ` on that same record. The
-/// claim stays a script (it reads before it writes, so a replay is one call, and it draws the
-/// fence from the server's clock), except in front of an authority
-/// ([`TieredStore`](crate::store::TieredStore), see [`Store::claim_in_front`]): there the
-/// authority's fence is the handler's, and the claim is one `SET … NX GET PX` and a `PTTL` in
-/// one transaction (Redis 7.0 and newer; a third to a half of the script's server time on a
-/// fresh key, about half on a replay). `DELEX … IFEQ` (Redis 8.4) is not used yet. The records are
-/// the same either way. The store asks the server which of them it has, once, before its first
-/// compare-and-set (`COMMAND DOCS SET`, `COMMAND INFO`: from what the server says, not from its
-/// version string; the doctor's version line asks the same); a server that then refuses one
-/// with an error (and so writes nothing: one node of a cluster in the middle of an upgrade)
-/// gets that command's script from then on, for the life of the store.
+/// with `DELIFEQ` (Valkey 9.0 and newer) release is one `DELIFEQ` on that same record. In front
+/// of an authority ([`TieredStore`](crate::store::TieredStore), see [`Store::claim_in_front`])
+/// the authority's fence is the handler's and its tombstones the ones that count, so the
+/// claim is the transaction above even with tombstones. `DELEX … IFEQ` (Redis 8.4) is not used
+/// yet. The records are the same either way. The store asks the server which of these
+/// commands it has, once, before its first claim (`COMMAND DOCS SET`, `COMMAND INFO`: from what
+/// the server says, not from its version string; the doctor's version line asks the same); a
+/// server that then refuses one with an error (and so writes nothing: one node of a cluster in
+/// the middle of an upgrade) gets that command's script from then on, for the life of the store.
 /// A lease made with [`Lease::new`] rather than from its claim, which does not know the
 /// record's bytes, is finalized by the scripts.
 ///
@@ -84,7 +94,7 @@ use crate::response::StoredResponse;
 /// Fences come from the Redis server clock in microseconds: they grow across reclaims for as
 /// long as that clock does. Postgres fences come from a sequence and always grow.
 ///
-/// Requires Redis 6.2 or newer (tested on 7.0).
+/// Requires Redis 6.2 or newer (tested on Redis 7.0 and 8.2, Valkey 8.1 and 9.1).
 #[derive(Clone)]
 pub struct RedisStore {
     backend: Backend,
@@ -320,6 +330,27 @@ impl RedisStore {
         result
     }
 
+    /// The claim by claim.lua: on a server without `SET … NX GET`, and on a store that keeps
+    /// tombstones. The record's fence is the claim's.
+    async fn claim_by_script(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let head = record::in_flight_head(request.fingerprint(), request.owner());
+        let key = self.record_key(request.record());
+        let mut invocation = CLAIM.key(&key);
+        if let Some(tombstone) = self.tombstone_key(&key) {
+            invocation.key(tombstone);
+        }
+        invocation.arg(head).arg(millis(request.lease()));
+        let reply: Value = self
+            .call(async |connection| invocation.invoke_async(connection).await)
+            .await?;
+        let outcome = parse_claim(reply, request)
+            .map_err(|reason| StoreError::corrupt(STORE, request.record(), reason))?;
+        if let ClaimOutcome::Acquired { fence } = outcome {
+            request.note_written(fence);
+        }
+        Ok(outcome)
+    }
+
     /// Runs an owner-checked script that answers 1 (applied) or 0 (not the owner), on the
     /// lease's record and, when given, its `tombstone`.
     async fn owner_checked(
@@ -353,19 +384,13 @@ impl Store for RedisStore {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         Box::pin(async move {
-            let head = record::in_flight_head(request.fingerprint(), request.owner());
-            let key = self.record_key(request.record());
-            let mut invocation = CLAIM.key(&key);
-            if let Some(tombstone) = self.tombstone_key(&key) {
-                invocation.key(tombstone);
+            // Tombstones are read by claim.lua, in the same call.
+            if self.horizon.is_zero()
+                && let Some(outcome) = self.claim_by_command(request).await?
+            {
+                return Ok(outcome);
             }
-            invocation.arg(head).arg(millis(request.lease()));
-            let reply: Value = self
-                .call(async |connection| invocation.invoke_async(connection).await)
-                .await?;
-            let outcome = parse_claim(reply, request)
-                .map_err(|reason| StoreError::corrupt(STORE, request.record(), reason))?;
-            Ok(noted(request, outcome))
+            self.claim_by_script(request).await
         })
     }
 
@@ -375,8 +400,8 @@ impl Store for RedisStore {
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         Box::pin(async move {
             match self.claim_by_command(request).await? {
-                Some(outcome) => Ok(noted(request, outcome)),
-                None => self.claim(request).await,
+                Some(outcome) => Ok(outcome),
+                None => self.claim_by_script(request).await,
             }
         })
     }
@@ -511,15 +536,6 @@ fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis())
         .unwrap_or(u64::MAX)
         .max(1)
-}
-
-/// `outcome`, once the request knows the fence of the record this store wrote for it, when it
-/// granted the claim: its leases finalize that exact record by compare-and-set.
-fn noted(request: &ClaimRequest, outcome: ClaimOutcome) -> ClaimOutcome {
-    if let ClaimOutcome::Acquired { fence } = outcome {
-        request.note_written(fence);
-    }
-    outcome
 }
 
 /// Reads claim.lua's reply; `Err` describes what is wrong with the record.
