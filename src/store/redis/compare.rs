@@ -144,17 +144,22 @@ impl RedisStore {
         .await
     }
 
-    /// Whether the store's server has `command`, asked once (see [`offers`](Self::offers));
-    /// `false` while it cannot be asked, to ask again next time.
-    async fn offered(&self, command: Offers) -> bool {
+    /// What the store's server offers, asked once (see [`offers`](Self::offers)); the error
+    /// while it cannot be asked, to ask again next time.
+    async fn known_offers(&self) -> Result<Offers, StoreError> {
         if let Some(known) = self.known.get() {
-            return known.has(command);
+            return Ok(known);
         }
-        match self.offers(&None).await {
-            Ok(offers) => {
-                self.known.learn(offers);
-                offers.has(command)
-            }
+        let offers = self.offers(&None).await?;
+        self.known.learn(offers);
+        Ok(offers)
+    }
+
+    /// Whether the store's server has `command` (see [`known_offers`](Self::known_offers));
+    /// `false` while it cannot be asked.
+    async fn offered(&self, command: Offers) -> bool {
+        match self.known_offers().await {
+            Ok(offers) => offers.has(command),
             Err(error) => {
                 tracing::debug!(%error, "could not ask Redis for its compare-and-set commands: scripts do this change");
                 false
@@ -176,7 +181,9 @@ impl RedisStore {
         &self,
         request: &ClaimRequest,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
-        if !self.offered(Offers::SET_NX_GET).await {
+        // A server that cannot be asked fails the claim now, as the script would, rather
+        // than after the script's own wait.
+        if !self.known_offers().await?.has(Offers::SET_NX_GET) {
             return Ok(None);
         }
         let since_epoch = SystemTime::now()
