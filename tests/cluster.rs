@@ -66,6 +66,7 @@ fn main() -> std::process::ExitCode {
     ));
     tests.extend(crate::tests![needs;
         records_spread_over_the_masters_and_stuck_lists_them_all,
+        a_claim_on_a_cluster_runs_no_script,
         a_failover_and_a_resharding_mid_run_run_nothing_twice,
         once_the_cluster_settles_after_a_killed_master_every_key_is_served_within_seconds,
         the_doctor_checks_every_master_and_the_slot_coverage,
@@ -112,6 +113,41 @@ async fn records_spread_over_the_masters_and_stuck_lists_them_all() {
     assert!(store.inspect(&some).await.unwrap().is_some());
     assert!(store.forget(&some).await.unwrap());
     assert!(store.inspect(&some).await.unwrap().is_none());
+}
+
+/// On a cluster as on one server, a fresh key's claim is one transaction on its master, not
+/// claim.lua: the probe for what the servers offer goes to one node (routed by its arguments,
+/// as if they were keys, it was refused, and every claim ran the script).
+async fn a_claim_on_a_cluster_runs_no_script() {
+    let cluster = tokio::task::spawn_blocking(RedisCluster::start)
+        .await
+        .unwrap();
+    let store = store_on(&cluster);
+    let (scripts, transactions) = (
+        calls_per_master(&cluster, "evalsha"),
+        calls_per_master(&cluster, "exec"),
+    );
+    for k in 0..30 {
+        let request = claim_request(&format!("k-{k}"), Duration::from_secs(30));
+        assert!(matches!(
+            store.claim(&request).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+    }
+    let ran = |command, before: Vec<u64>| -> Vec<u64> {
+        let after = calls_per_master(&cluster, command);
+        after.iter().zip(before).map(|(a, b)| a - b).collect()
+    };
+    let transactions = ran("exec", transactions);
+    assert_eq!(ran("evalsha", scripts), [0, 0, 0], "no claim ran a script");
+    assert_eq!(transactions.iter().sum::<u64>(), 30, "{transactions:?}");
+    assert!(
+        transactions.iter().all(|&n| n > 0),
+        "every master claimed some: {transactions:?}"
+    );
+    tokio::task::spawn_blocking(move || drop(cluster))
+        .await
+        .unwrap();
 }
 
 /// Counts the handler's runs per key.

@@ -144,8 +144,9 @@ impl RedisStore {
         .await
     }
 
-    /// What the store's server offers, asked once (see [`offers`](Self::offers)); the error
-    /// while it cannot be asked, to ask again next time.
+    /// What the store's server offers, asked once (see [`offers`](Self::offers)); on a
+    /// cluster, one node answers for all (a node that refuses a command later turns it off for
+    /// the store). The error while it cannot be asked, to ask again next time.
     async fn known_offers(&self) -> Result<Offers, StoreError> {
         if let Some(known) = self.known.get() {
             return Ok(known);
@@ -176,7 +177,8 @@ impl RedisStore {
     /// clock of that moment: still later than every earlier claim's fence, and earlier than
     /// every later one's. Tombstones are not read here (a store that keeps them claims with
     /// claim.lua, a store in front of an authority leaves them to it). `None` where the server
-    /// has no `SET … NX GET` (Redis before 7.0), or refuses it: the caller runs claim.lua.
+    /// has no `SET … NX GET` (Redis before 7.0), or refuses it, or where a cluster redirects
+    /// the transaction (the key's slot is moving): the caller runs claim.lua.
     pub(super) async fn claim_by_command(
         &self,
         request: &ClaimRequest,
@@ -193,19 +195,20 @@ impl RedisStore {
         let corrupt = |reason: String| StoreError::corrupt(STORE, request.record(), reason);
         let record = record::in_flight(request.fingerprint(), request.owner(), name)
             .ok_or_else(|| corrupt(format!("this machine's clock reads {name} µs")))?;
-        let key = self.record_key(request.record());
-        let mut claim = ::redis::pipe();
-        claim.atomic();
-        claim.cmd("SET").arg(&key).arg(record).arg("NX").arg("GET");
-        claim.arg("PX").arg(super::millis(request.lease()));
-        claim.cmd("PTTL").arg(&key);
-        claim.cmd("TIME");
+        let claim = self.claim_transaction(request, record);
         type Reply = (Option<Vec<u8>>, i64, (u64, u64));
         let reply = self
             .call(
                 async |connection| match claim.query_async::<Reply>(connection).await {
                     Err(error) if refusal(&error) => {
                         tracing::debug!(%error, "Redis refused SET … NX GET: claim.lua claims");
+                        self.known.refuse(Offers::SET_NX_GET);
+                        Ok(None)
+                    }
+                    // The client follows a cluster's redirections for one command, not for a
+                    // transaction, which the node discarded: the script claims this once.
+                    Err(error) if redirected(&error) => {
+                        tracing::debug!(%error, "the key's slot is moving: claim.lua claims");
                         Ok(None)
                     }
                     reply => reply.map(Some),
@@ -213,7 +216,6 @@ impl RedisStore {
             )
             .await?;
         let Some((held, left, time)) = reply else {
-            self.known.refuse(Offers::SET_NX_GET);
             return Ok(None);
         };
         let outcome = match held {
@@ -235,6 +237,19 @@ impl RedisStore {
             }
             other => other,
         }))
+    }
+
+    /// The transaction of [`claim_by_command`](Self::claim_by_command): `record` set where
+    /// no record is, for the lease, with the record there, its time left and the server's clock.
+    fn claim_transaction(&self, request: &ClaimRequest, record: Vec<u8>) -> Pipeline {
+        let key = self.record_key(request.record());
+        let mut claim = ::redis::pipe();
+        claim.atomic();
+        claim.cmd("SET").arg(&key).arg(record).arg("NX").arg("GET");
+        claim.arg("PX").arg(super::millis(request.lease()));
+        claim.cmd("PTTL").arg(&key);
+        claim.cmd("TIME");
+        claim
     }
 
     /// Runs `command`, made from the lease's Redis key and the exact record its claim wrote, and
@@ -329,6 +344,20 @@ impl RedisStore {
 /// `CLUSTERDOWN`, …), which must not make the store give up a command for good.
 fn refusal(error: &RedisError) -> bool {
     error.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+}
+
+/// Whether `error` is a transaction a cluster's node discarded because the key's slot is
+/// elsewhere, or on its way there (`MOVED`, `ASK`): nothing in it ran.
+fn redirected(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::Server(ServerErrorKind::ExecAbort)
+        && (error.clone().into_server_errors()).is_some_and(|errors| {
+            errors.iter().any(|(_, error)| {
+                matches!(
+                    error.kind(),
+                    Some(ServerErrorKind::Moved | ServerErrorKind::Ask)
+                )
+            })
+        })
 }
 
 /// A reply a compare-and-set `command` never gives.

@@ -170,25 +170,28 @@ impl Connection {
         Ok(masters)
     }
 
-    /// Sends `pipeline` to `node` (on a cluster, to that master whatever the keys' slots).
+    /// Sends `pipeline` to `node`: on a cluster, to that master whatever the keys' slots, or
+    /// for `None` to any one node (a pipeline of server commands, whose arguments are not
+    /// keys, would otherwise be routed by them, to slots that differ).
     pub(super) async fn pipeline_on(
         &mut self,
         node: &Node,
         pipeline: &Pipeline,
     ) -> Result<Vec<Value>, RedisError> {
-        match (self, node) {
-            (Self::Cluster(connection), Some((host, port))) => {
-                let route = SingleNodeRoutingInfo::ByAddress {
-                    host: host.clone(),
-                    port: *port,
-                };
-                let count = pipeline.len();
-                connection
-                    .route_pipeline(pipeline.clone(), 0, count, route)
-                    .await
-            }
-            (connection, _) => pipeline.query_async(connection).await,
-        }
+        let Self::Cluster(connection) = self else {
+            return pipeline.query_async(self).await;
+        };
+        let route = match node {
+            Some((host, port)) => SingleNodeRoutingInfo::ByAddress {
+                host: host.clone(),
+                port: *port,
+            },
+            None => SingleNodeRoutingInfo::Random,
+        };
+        let count = pipeline.len();
+        connection
+            .route_pipeline(pipeline.clone(), 0, count, route)
+            .await
     }
 }
 

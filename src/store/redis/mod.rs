@@ -52,7 +52,9 @@ use crate::response::StoredResponse;
 /// views read a record's age from it). A claim asked again by its owner is granted with the
 /// server's clock of that moment, a later fence than its first answer's. A store
 /// [with tombstones](Self::with_tombstones) claims with claim.lua, which reads the tombstone in
-/// the same call, and so does a server without `SET … NX GET`.
+/// the same call, and so does a server without `SET … NX GET`. On a cluster, a claim whose
+/// key's slot is moving between masters runs claim.lua (the client follows a redirection for
+/// one command, not for a transaction), and one node's answer says what every node has.
 ///
 /// On a server with `SET … IFEQ` (Valkey 8.1 and newer, Redis 8.4 and newer) completion and
 /// renewal are not scripts but one `SET` conditional on the whole in-flight record the claim
