@@ -14,7 +14,7 @@ use std::{
 };
 
 use ::redis::{
-    Client, IntoConnectionInfo, RedisError, RetryMethod, Script, Value,
+    Client, IntoConnectionInfo, RedisError, RetryMethod, Script, ToRedisArgs, Value,
     aio::{ConnectionManager, ConnectionManagerConfig},
 };
 
@@ -354,21 +354,19 @@ impl RedisStore {
     }
 
     /// Runs an owner-checked script that answers 1 (applied) or 0 (not the owner), on the
-    /// lease's record and, when given, its `tombstone`.
+    /// lease's record and, when given, its `tombstone`, with the owner token and then `args`
+    /// (each part of a tuple one argument; `None::<u64>` for none).
     async fn owner_checked(
         &self,
         script: &Script,
         (lease, tombstone): (&Lease, Option<String>),
-        args: &[&[u8]],
+        args: impl ToRedisArgs,
     ) -> Result<Ownership, StoreError> {
         let mut invocation = script.key(self.record_key(lease.record()));
         if let Some(tombstone) = tombstone {
             invocation.key(tombstone);
         }
-        invocation.arg(&lease.owner().as_bytes()[..]);
-        for arg in args {
-            invocation.arg(*arg);
-        }
+        invocation.arg(&lease.owner().as_bytes()[..]).arg(args);
         let applied: i64 = self
             .call(async |connection| invocation.invoke_async(connection).await)
             .await?;
@@ -421,9 +419,7 @@ impl Store for RedisStore {
             {
                 return Ok(ownership);
             }
-            let duration = duration.to_string();
-            self.owner_checked(&RENEW, (lease, None), &[duration.as_bytes()])
-                .await
+            self.owner_checked(&RENEW, (lease, None), duration).await
         })
     }
 
@@ -437,22 +433,18 @@ impl Store for RedisStore {
             let encoded = response.encode();
             let retention = millis(retention);
             // With a tombstone to write beside the record, complete.lua writes both.
-            let tombstone = self.tombstone_key(&self.record_key(lease.record()));
+            let tombstone = (!self.horizon.is_zero())
+                .then(|| self.tombstone_key(&self.record_key(lease.record())))
+                .flatten();
             let completed = |in_flight: &[u8]| record::completed(in_flight, &encoded);
             if tombstone.is_none()
                 && let Some(ownership) = self.compare_and_set(lease, completed, retention).await?
             {
                 return Ok(ownership);
             }
-            let retention = retention.to_string();
-            let horizon = millis(self.horizon).to_string();
-            let status = format!("{:03}", response.status().as_u16());
-            let args: &[&[u8]] = &[
-                &encoded,
-                retention.as_bytes(),
-                horizon.as_bytes(),
-                status.as_bytes(),
-            ];
+            // A status is three digits (100 to 999).
+            let status = response.status().as_u16();
+            let args = (&encoded[..], retention, millis(self.horizon), status);
             self.owner_checked(&COMPLETE, (lease, tombstone), args)
                 .await
         })
@@ -463,7 +455,8 @@ impl Store for RedisStore {
             if let Some(ownership) = self.delete_if_equal(lease).await? {
                 return Ok(ownership);
             }
-            self.owner_checked(&RELEASE, (lease, None), &[]).await
+            self.owner_checked(&RELEASE, (lease, None), None::<u64>)
+                .await
         })
     }
 

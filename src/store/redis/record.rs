@@ -28,7 +28,8 @@ const COMPLETED: u8 = b'c';
 
 /// A fresh record in flight up to its fence, which claim.lua appends from the server's clock.
 pub(super) fn in_flight_head(fingerprint: &Fingerprint, owner: Uuid) -> Vec<u8> {
-    let mut head = Vec::with_capacity(FENCE);
+    // Room for the fence too: the record claimed without a script is this and its digits.
+    let mut head = Vec::with_capacity(RESPONSE);
     head.push(LAYOUT);
     head.push(IN_FLIGHT);
     head.extend_from_slice(fingerprint.as_bytes());
@@ -40,13 +41,10 @@ pub(super) fn in_flight_head(fingerprint: &Fingerprint, owner: Uuid) -> Vec<u8> 
 /// 16 digits (ten of seconds, six of microseconds). `None` for a fence that is not 16 digits
 /// long, which claim.lua never writes.
 pub(super) fn in_flight(fingerprint: &Fingerprint, owner: Uuid, fence: u64) -> Option<Vec<u8>> {
-    let digits = fence.to_string();
-    if digits.len() != RESPONSE - FENCE {
-        return None;
-    }
+    use std::io::Write as _;
     let mut record = in_flight_head(fingerprint, owner);
-    record.extend_from_slice(digits.as_bytes());
-    Some(record)
+    write!(record, "{fence}").expect("a Vec takes every write");
+    (record.len() == RESPONSE).then_some(record)
 }
 
 /// The completed record an in-flight one becomes with `response` (encoded), as complete.lua
