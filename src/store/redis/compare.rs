@@ -1,7 +1,8 @@
-//! Compare-and-set where the server has it: completion and renewal by `SET … IFEQ`, release
-//! by `DELIFEQ`, each on the exact record the lease's claim wrote; `None` sends the caller to
-//! its script. What the server has is asked once ([`RedisStore::offers`], which the doctor
-//! asks too), not read from its version string.
+//! Commands where the server has them: a claim by `SET … NX GET` in a transaction, and
+//! compare-and-set, completion and renewal by `SET … IFEQ`, release by `DELIFEQ`, each on the
+//! exact record the lease's claim wrote; `None` sends the caller to its script. What the server
+//! has is asked once ([`RedisStore::offers`], which the doctor asks too), not read from its
+//! version string.
 
 use std::{
     sync::atomic::{AtomicU8, Ordering},
@@ -26,7 +27,8 @@ impl Offers {
     /// `DELEX` (Redis 8.4): named by the doctor, not used yet.
     pub(super) const DELEX: Self = Self(4);
     /// `SET … NX GET` (Redis 7.0, the release that brought `COMMAND DOCS`): the claim of a
-    /// store in front of an authority. Not a compare-and-set, so the doctor does not name it.
+    /// store without tombstones, or in front of an authority. Not a compare-and-set, so the
+    /// doctor names it in its own words.
     pub(super) const SET_NX_GET: Self = Self(8);
     const NAMES: [(Self, &'static str); 3] = [
         (Self::SET_IFEQ, "SET IFEQ"),
