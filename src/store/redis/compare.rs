@@ -245,12 +245,17 @@ impl RedisStore {
     /// no record is, for the lease, with the record there, its time left and the server's clock.
     fn claim_transaction(&self, request: &ClaimRequest, record: Vec<u8>) -> Pipeline {
         let key = self.record_key(request.record());
+        // Each command built at its size (see `super::command`): `NX GET PX` and 20 digits.
+        let mut set = super::command("SET", 7, key.len() + record.len() + 27);
+        set.arg(&key).arg(record).arg("NX").arg("GET");
+        set.arg("PX").arg(super::millis(request.lease()));
+        let mut left = super::command("PTTL", 2, key.len());
+        left.arg(&key);
         let mut claim = ::redis::pipe();
         claim.atomic();
-        claim.cmd("SET").arg(&key).arg(record).arg("NX").arg("GET");
-        claim.arg("PX").arg(super::millis(request.lease()));
-        claim.cmd("PTTL").arg(&key);
-        claim.cmd("TIME");
+        claim.add_command(set);
+        claim.add_command(left);
+        claim.add_command(super::command("TIME", 1, 0));
         claim
     }
 
@@ -299,9 +304,12 @@ impl RedisStore {
     ) -> Result<Option<Ownership>, StoreError> {
         let reply = self
             .on_claimed_record(lease, Offers::SET_IFEQ, |key, current| {
-                let mut set = ::redis::cmd("SET");
+                let next = next(&current);
+                // `IFEQ`, `PX` and 20 digits.
+                let bytes = key.len() + next.len() + current.len() + 26;
+                let mut set = super::command("SET", 7, bytes);
                 set.arg(key)
-                    .arg(next(&current))
+                    .arg(next)
                     .arg("IFEQ")
                     .arg(&current)
                     .arg("PX")
@@ -326,7 +334,7 @@ impl RedisStore {
     ) -> Result<Option<Ownership>, StoreError> {
         let reply = self
             .on_claimed_record(lease, Offers::DELIFEQ, |key, current| {
-                let mut delete = ::redis::cmd("DELIFEQ");
+                let mut delete = super::command("DELIFEQ", 3, key.len() + current.len());
                 delete.arg(key).arg(current);
                 delete
             })

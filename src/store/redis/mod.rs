@@ -14,7 +14,8 @@ use std::{
 };
 
 use ::redis::{
-    Client, IntoConnectionInfo, RedisError, RetryMethod, Script, ToRedisArgs, Value,
+    Client, Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, Script,
+    ServerErrorKind, ToRedisArgs, Value,
     aio::{ConnectionManager, ConnectionManagerConfig},
 };
 
@@ -295,13 +296,12 @@ impl RedisStore {
     /// The Redis key of a record. The scope is length-prefixed, so no (scope, key) pair can
     /// collide with another whatever characters they hold.
     pub fn record_key(&self, record: &RecordKey) -> String {
-        format!(
-            "{}{}:{}:{}",
-            self.prefix,
-            record.scope().len(),
-            record.scope(),
-            record.key()
-        )
+        use std::fmt::Write;
+        let (scope, key) = (record.scope(), record.key().as_str());
+        // Up to 20 digits of the scope's length, and two colons: written once, at its size.
+        let mut name = String::with_capacity(self.prefix.len() + 22 + scope.len() + key.len());
+        let _ = write!(name, "{}{}:{scope}:{key}", self.prefix, scope.len());
+        name
     }
 
     /// Runs `invoke` on a connection, connecting included, under the timeout.
@@ -337,13 +337,11 @@ impl RedisStore {
     async fn claim_by_script(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let head = record::in_flight_head(request.fingerprint(), request.owner());
         let key = self.record_key(request.record());
-        let mut invocation = CLAIM.key(&key);
-        if let Some(tombstone) = self.tombstone_key(&key) {
-            invocation.key(tombstone);
-        }
-        invocation.arg(head).arg(millis(request.lease()));
+        let tombstone = self.tombstone_key(&key);
+        let args = ((&head[..], millis(request.lease())), head.len());
+        let eval = evalsha(&CLAIM, (&key, tombstone.as_deref()), args);
         let reply: Value = self
-            .call(async |connection| invocation.invoke_async(connection).await)
+            .call(async |connection| evaluate(connection, &CLAIM, &eval).await)
             .await?;
         let outcome = parse_claim(reply, request)
             .map_err(|reason| StoreError::corrupt(STORE, request.record(), reason))?;
@@ -355,20 +353,19 @@ impl RedisStore {
 
     /// Runs an owner-checked script that answers 1 (applied) or 0 (not the owner), on the
     /// lease's record and, when given, its `tombstone`, with the owner token and then `args`
-    /// (each part of a tuple one argument; `None::<u64>` for none).
+    /// (each part of a tuple one argument; `None::<u64>` for none) of about `len` bytes.
     async fn owner_checked(
         &self,
         script: &Script,
         (lease, tombstone): (&Lease, Option<String>),
-        args: impl ToRedisArgs,
+        (args, len): (impl ToRedisArgs, usize),
     ) -> Result<Ownership, StoreError> {
-        let mut invocation = script.key(self.record_key(lease.record()));
-        if let Some(tombstone) = tombstone {
-            invocation.key(tombstone);
-        }
-        invocation.arg(&lease.owner().as_bytes()[..]).arg(args);
+        let key = self.record_key(lease.record());
+        let owner = lease.owner();
+        let args = ((&owner.as_bytes()[..], args), len);
+        let eval = evalsha(script, (&key, tombstone.as_deref()), args);
         let applied: i64 = self
-            .call(async |connection| invocation.invoke_async(connection).await)
+            .call(async |connection| evaluate(connection, script, &eval).await)
             .await?;
         Ok(if applied == 1 {
             Ownership::Held
@@ -419,7 +416,8 @@ impl Store for RedisStore {
             {
                 return Ok(ownership);
             }
-            self.owner_checked(&RENEW, (lease, None), duration).await
+            self.owner_checked(&RENEW, (lease, None), (duration, 0))
+                .await
         })
     }
 
@@ -445,7 +443,7 @@ impl Store for RedisStore {
             // A status is three digits (100 to 999).
             let status = response.status().as_u16();
             let args = (&encoded[..], retention, millis(self.horizon), status);
-            self.owner_checked(&COMPLETE, (lease, tombstone), args)
+            self.owner_checked(&COMPLETE, (lease, tombstone), (args, encoded.len()))
                 .await
         })
     }
@@ -455,7 +453,7 @@ impl Store for RedisStore {
             if let Some(ownership) = self.delete_if_equal(lease).await? {
                 return Ok(ownership);
             }
-            self.owner_checked(&RELEASE, (lease, None), None::<u64>)
+            self.owner_checked(&RELEASE, (lease, None), (None::<u64>, 0))
                 .await
         })
     }
@@ -523,6 +521,58 @@ impl std::fmt::Debug for RedisStore {
         f.field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
+    }
+}
+
+/// A command of `args` arguments (its name included) and about `bytes` bytes of them, built in
+/// buffers of that size: `redis::cmd` starts with none and grows them as arguments come.
+fn command(name: &str, args: usize, bytes: usize) -> Cmd {
+    let mut command = Cmd::with_capacity(args, name.len() + bytes);
+    command.arg(name);
+    command
+}
+
+/// What an `EVALSHA` holds besides its keys and the caller's longer arguments: its name, the
+/// script's SHA-1, the number of keys, an owner token and a few numbers.
+const EVALSHA: usize = 128;
+
+/// The most arguments a script call of the store has: complete.lua's, with `EVALSHA`, the
+/// SHA-1, the number of keys, two keys, the owner token and four more.
+const EVALSHA_ARGS: usize = 10;
+
+/// `EVALSHA` of `script` on `key` (and `tombstone`), with `args` (each part of a tuple one
+/// argument) of about `len` bytes beyond [`EVALSHA`]'s, built to size. A `ScriptInvocation`
+/// copies each key and argument into a `Vec` of its own, then all of them into its command.
+fn evalsha(
+    script: &Script,
+    (key, tombstone): (&str, Option<&str>),
+    (args, len): (impl ToRedisArgs, usize),
+) -> Cmd {
+    let keys = 1 + usize::from(tombstone.is_some());
+    let bytes = EVALSHA + key.len() + tombstone.map_or(0, str::len) + len;
+    let mut eval = command("EVALSHA", EVALSHA_ARGS, bytes);
+    eval.arg(script.get_hash()).arg(keys).arg(key);
+    if let Some(tombstone) = tombstone {
+        eval.arg(tombstone);
+    }
+    eval.arg(args);
+    eval
+}
+
+/// Sends `eval` (see [`evalsha`]) as `ScriptInvocation::invoke_async` runs a script: where the
+/// server does not have `script` (restarted, failed over, flushed), it is loaded and `eval`
+/// sent again.
+async fn evaluate<T: FromRedisValue>(
+    connection: &mut Connection,
+    script: &Script,
+    eval: &Cmd,
+) -> Result<T, RedisError> {
+    match eval.query_async(connection).await {
+        Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            script.load_async(connection).await?;
+            eval.query_async(connection).await
+        }
+        reply => reply,
     }
 }
 
