@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""What one operation of each workload of benches/counts.rs costs this process, counted:
+instructions (valgrind's callgrind) and heap allocations and bytes (valgrind's DHAT) an
+operation, the same from run to run on one build, whatever else the machine does.
+
+    python3 benches/counts.py [WORKLOAD ...] [--n N]
+
+WORKLOADs: bare, layer, naive, redis (all by default; see benches/counts.rs). Each runs at N and
+at 6N operations (N = 500 by default), and the figures are the difference over the 5N extra
+ones, so start-up, connecting and a script's first load are left out. naive and redis need the
+Redis of REDIS_URL (default redis://127.0.0.1:6379/). Needs valgrind (Debian's package).
+
+valgrind's CPU has no SHA extensions, so SHA-256 runs its portable code there, several times
+what it costs on a CPU that has them: the layer's row is given with and without the `sha2`
+crate's functions (the fingerprint's hashing).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+WORKLOADS = ["bare", "layer", "naive", "redis"]
+
+
+def build():
+    """Builds the bench (release, as `cargo bench` does) and returns its executable."""
+    out = subprocess.run(
+        ["cargo", "bench", "--bench", "counts", "--no-run", "--message-format=json"],
+        cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        message = json.loads(line)
+        if message.get("reason") == "compiler-artifact" and message.get("executable") \
+                and message["target"]["name"] == "counts":
+            return message["executable"]
+    sys.exit("cargo built no counts executable")
+
+
+def callgrind(binary, workload, n, scratch):
+    """Instructions in all, and those in the sha2 crate's functions."""
+    out = os.path.join(scratch, "callgrind.%s.%d" % (workload, n))
+    subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=" + out,
+                    binary, workload, str(n)], check=True, capture_output=True)
+    annotated = subprocess.run(
+        ["callgrind_annotate", "--auto=no", "--threshold=100", "--inclusive=no", out],
+        check=True, capture_output=True, text=True).stdout
+    total = sha = 0
+    for line in annotated.splitlines():
+        m = re.match(r"^\s*([\d,]+) \([^)]*\)\s+(.*)$", line)
+        if not m:
+            continue
+        count, name = int(m.group(1).replace(",", "")), m.group(2)
+        if name.startswith("PROGRAM TOTALS"):
+            total = count
+        elif "sha2::" in name:
+            sha += count
+    return total, sha
+
+
+def dhat(binary, workload, n, scratch):
+    """Heap blocks and bytes allocated in all."""
+    out = os.path.join(scratch, "dhat.%s.%d" % (workload, n))
+    run = subprocess.run(["valgrind", "--tool=dhat", "--dhat-out-file=" + out,
+                          binary, workload, str(n)], check=True, capture_output=True, text=True)
+    m = re.search(r"Total:\s+([\d,]+) bytes in ([\d,]+) blocks", run.stderr)
+    if not m:
+        sys.exit("DHAT printed no total for %s:\n%s" % (workload, run.stderr))
+    return int(m.group(2).replace(",", "")), int(m.group(1).replace(",", ""))
+
+
+def measure(binary, workload, n, scratch):
+    """Per extra operation: instructions, instructions without sha2, allocations, bytes."""
+    small = callgrind(binary, workload, n, scratch) + dhat(binary, workload, n, scratch)
+    large = callgrind(binary, workload, 6 * n, scratch) + dhat(binary, workload, 6 * n, scratch)
+    extra = 5 * n
+    total, sha, blocks, size = ((b - a) / extra for a, b in zip(small, large))
+    return {"instructions": total, "without_sha": total - sha, "allocations": blocks,
+            "bytes": size}
+
+
+def main():
+    args = sys.argv[1:]
+    n = 500
+    if "--n" in args:
+        at = args.index("--n")
+        n = int(args[at + 1])
+        del args[at:at + 2]
+    workloads = args or WORKLOADS
+    for workload in workloads:
+        if workload not in WORKLOADS:
+            sys.exit("no workload %r (%s)" % (workload, ", ".join(WORKLOADS)))
+    binary = build()
+    rows = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for workload in workloads:
+            rows[workload] = measure(binary, workload, n, scratch)
+    print("%d and %d operations; per extra operation:\n" % (n, 6 * n))
+    print("| workload | instructions | without SHA-256 | allocations | bytes allocated |")
+    print("|---|---|---|---|---|")
+    for workload, row in rows.items():
+        print("| %s | %s | %s | %.1f | %s |" % (
+            workload, format(round(row["instructions"]), ","), format(round(row["without_sha"]), ","),
+            row["allocations"], format(round(row["bytes"]), ",")))
+    if "layer" in rows and "bare" in rows:
+        layer, bare = rows["layer"], rows["bare"]
+        print("\nthe layer's own, a fresh request (layer - bare): %s instructions without "
+              "SHA-256, %.1f allocations" % (
+                  format(round(layer["without_sha"] - bare["without_sha"]), ","),
+                  layer["allocations"] - bare["allocations"]))
+    if "redis" in rows and "naive" in rows:
+        redis, naive = rows["redis"], rows["naive"]
+        print("the Redis store's claim and completion against the naive guard's two commands: "
+              "%.2fx the instructions, %.2fx the allocations" % (
+                  redis["without_sha"] / naive["without_sha"],
+                  redis["allocations"] / naive["allocations"]))
+
+
+if __name__ == "__main__":
+    main()
