@@ -257,9 +257,11 @@ impl RedisStore {
         // One attempt per connection: the store's timeout bounds each call, and retries inside
         // it would turn a refused connection or a refused password into "did not answer in
         // time". A call that meets a dead connection fails, and the next one connects afresh.
+        // No response timeout of the connection's own: every call is under the store's
+        // (`call`), and a second timer a command would only cost (BENCHMARKS.md).
         let config = ConnectionManagerConfig::new()
             .set_number_of_retries(0)
-            .set_response_timeout(Some(timeout))
+            .set_response_timeout(None)
             .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
             .set_max_delay(Duration::from_secs(2));
         ConnectionManager::new_lazy_with_config(client.clone(), config)
