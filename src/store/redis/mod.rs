@@ -298,11 +298,14 @@ impl RedisStore {
     /// The Redis key of a record. The scope is length-prefixed, so no (scope, key) pair can
     /// collide with another whatever characters they hold.
     pub fn record_key(&self, record: &RecordKey) -> String {
-        use std::fmt::Write;
         let (scope, key) = (record.scope(), record.key().as_str());
-        // Up to 20 digits of the scope's length, and two colons: written once, at its size.
-        let mut name = String::with_capacity(self.prefix.len() + 22 + scope.len() + key.len());
-        let _ = write!(name, "{}{}:{scope}:{key}", self.prefix, scope.len());
+        let mut digits = itoa::Buffer::new();
+        let len = digits.format(scope.len());
+        let mut name =
+            String::with_capacity(self.prefix.len() + len.len() + scope.len() + key.len() + 2);
+        for part in [&*self.prefix, len, ":", scope, ":", key] {
+            name.push_str(part);
+        }
         name
     }
 

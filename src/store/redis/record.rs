@@ -41,9 +41,8 @@ pub(super) fn in_flight_head(fingerprint: &Fingerprint, owner: Uuid) -> Vec<u8> 
 /// 16 digits (ten of seconds, six of microseconds). `None` for a fence that is not 16 digits
 /// long, which claim.lua never writes.
 pub(super) fn in_flight(fingerprint: &Fingerprint, owner: Uuid, fence: u64) -> Option<Vec<u8>> {
-    use std::io::Write as _;
     let mut record = in_flight_head(fingerprint, owner);
-    write!(record, "{fence}").expect("a Vec takes every write");
+    record.extend_from_slice(itoa::Buffer::new().format(fence).as_bytes());
     (record.len() == RESPONSE).then_some(record)
 }
 
