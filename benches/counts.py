@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """What one operation of each workload of benches/counts.rs costs this process, counted:
 instructions (valgrind's callgrind) and heap allocations and bytes (valgrind's DHAT) an
-operation, the same from run to run on one build, whatever else the machine does.
+operation: allocations the same from run to run on one build, instructions within 0.5 %,
+whatever else the machine does.
 
     python3 benches/counts.py [WORKLOAD ...] [--n N]
 
-WORKLOADs: bare, layer, naive, redis (all by default; see benches/counts.rs). Each runs at N and
+WORKLOADs: bare, layer, cached, naive, redis (all by default; see benches/counts.rs). Each runs at N and
 at 6N operations (N = 500 by default), and the figures are the difference over the 5N extra
 ones, so start-up, connecting and a script's first load are left out. naive and redis need the
 Redis of REDIS_URL (default redis://127.0.0.1:6379/). Needs valgrind (Debian's package).
@@ -23,14 +24,14 @@ import sys
 import tempfile
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-WORKLOADS = ["bare", "layer", "naive", "redis"]
+WORKLOADS = ["bare", "layer", "cached", "naive", "redis"]
 
 
 def build():
     """Builds the bench (release, as `cargo bench` does) and returns its executable."""
     out = subprocess.run(
         ["cargo", "bench", "--bench", "counts", "--no-run", "--message-format=json"],
-        cwd=ROOT, check=True, capture_output=True, text=True).stdout
+        cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True).stdout
     for line in out.splitlines():
         message = json.loads(line)
         if message.get("reason") == "compiler-artifact" and message.get("executable") \
@@ -110,6 +111,11 @@ def main():
               "SHA-256, %.1f allocations" % (
                   format(round(layer["without_sha"] - bare["without_sha"]), ","),
                   layer["allocations"] - bare["allocations"]))
+    if "cached" in rows and "layer" in rows:
+        cached, layer = rows["cached"], rows["layer"]
+        print("the replay cache, a fresh request (cached - layer): %s instructions, %.1f "
+              "allocations" % (format(round(cached["without_sha"] - layer["without_sha"]), ","),
+                               cached["allocations"] - layer["allocations"]))
     if "redis" in rows and "naive" in rows:
         redis, naive = rows["redis"], rows["naive"]
         print("the Redis store's claim and completion against the naive guard's two commands: "
