@@ -259,15 +259,15 @@ impl RedisStore {
         claim
     }
 
-    /// Runs `command`, made from the lease's Redis key and the exact record its claim wrote, and
-    /// returns the server's reply. `None`: the lease does not know its record (no receipt), or
+    /// Runs `command`, made from the lease's Redis key (`key`) and the exact record its claim
+    /// wrote, and returns the server's reply. `None`: the lease does not know its record (no receipt), or
     /// the server does not offer the command, or refuses it now (an error reply: nothing was
     /// written, and the scripts do its work from then on): the caller runs its script.
     async fn on_claimed_record(
         &self,
-        lease: &Lease,
+        (lease, key): (&Lease, &str),
         offer: Offers,
-        command: impl FnOnce(String, Vec<u8>) -> ::redis::Cmd,
+        command: impl FnOnce(&str, Vec<u8>) -> ::redis::Cmd,
     ) -> Result<Option<Value>, StoreError> {
         let Some(current) = lease.receipt().and_then(|receipt| {
             record::in_flight(receipt.fingerprint, lease.owner(), receipt.fence)
@@ -277,7 +277,7 @@ impl RedisStore {
         if !self.offered(offer).await {
             return Ok(None);
         }
-        let command = command(self.record_key(lease.record()), current);
+        let command = command(key, current);
         let reply = self
             .call(async |connection| match command.query_async(connection).await {
                 Err(error) if refusal(&error) => {
@@ -293,17 +293,17 @@ impl RedisStore {
         Ok(reply)
     }
 
-    /// Writes `next` (made from the record the lease's claim wrote) over that exact record, for
-    /// `millis`, with one `SET … IFEQ`; `None` where the caller runs its script (see
+    /// Writes `next` (made from the record the lease's claim wrote) over that exact record, at
+    /// `key`, for `millis`, with one `SET … IFEQ`; `None` where the caller runs its script (see
     /// [`on_claimed_record`](Self::on_claimed_record)).
     pub(super) async fn compare_and_set(
         &self,
-        lease: &Lease,
+        (lease, key): (&Lease, &str),
         next: impl FnOnce(&[u8]) -> Vec<u8>,
         millis: u64,
     ) -> Result<Option<Ownership>, StoreError> {
         let reply = self
-            .on_claimed_record(lease, Offers::SET_IFEQ, |key, current| {
+            .on_claimed_record((lease, key), Offers::SET_IFEQ, |key, current| {
                 let next = next(&current);
                 // `IFEQ`, `PX` and 20 digits.
                 let bytes = key.len() + next.len() + current.len() + 26;
@@ -326,14 +326,14 @@ impl RedisStore {
             .transpose()
     }
 
-    /// Deletes the exact record the lease's claim wrote with one `DELIFEQ`; `None` where the
+    /// Deletes the exact record the lease's claim wrote, at `key`, with one `DELIFEQ`; `None` where the
     /// caller runs its script (see [`on_claimed_record`](Self::on_claimed_record)).
     pub(super) async fn delete_if_equal(
         &self,
-        lease: &Lease,
+        (lease, key): (&Lease, &str),
     ) -> Result<Option<Ownership>, StoreError> {
         let reply = self
-            .on_claimed_record(lease, Offers::DELIFEQ, |key, current| {
+            .on_claimed_record((lease, key), Offers::DELIFEQ, |key, current| {
                 let mut delete = super::command("DELIFEQ", 3, key.len() + current.len());
                 delete.arg(key).arg(current);
                 delete

@@ -357,18 +357,17 @@ impl RedisStore {
     }
 
     /// Runs an owner-checked script that answers 1 (applied) or 0 (not the owner), on the
-    /// lease's record and, when given, its `tombstone`, with the owner token and then `args`
-    /// (each part of a tuple one argument; `None::<u64>` for none) of about `len` bytes.
+    /// lease's record (at `key`) and, when given, its `tombstone`, with the owner token and then
+    /// `args` (each part of a tuple one argument; `None::<u64>` for none) of about `len` bytes.
     async fn owner_checked(
         &self,
         script: &Script,
-        (lease, tombstone): (&Lease, Option<String>),
+        (lease, key, tombstone): (&Lease, &str, Option<&str>),
         (args, len): (impl ToRedisArgs, usize),
     ) -> Result<Ownership, StoreError> {
-        let key = self.record_key(lease.record());
         let owner = lease.owner();
         let args = ((&owner.as_bytes()[..], args), len);
-        let eval = evalsha(script, (&key, tombstone.as_deref()), args);
+        let eval = evalsha(script, (key, tombstone), args);
         let applied: i64 = self
             .call(async |connection| evaluate(connection, script, &eval).await)
             .await?;
@@ -415,13 +414,14 @@ impl Store for RedisStore {
     ) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
             let duration = millis(duration);
+            let key = self.record_key(lease.record());
             if let Some(ownership) = self
-                .compare_and_set(lease, <[u8]>::to_vec, duration)
+                .compare_and_set((lease, &key), <[u8]>::to_vec, duration)
                 .await?
             {
                 return Ok(ownership);
             }
-            self.owner_checked(&RENEW, (lease, None), (duration, 0))
+            self.owner_checked(&RENEW, (lease, &key, None), (duration, 0))
                 .await
         })
     }
@@ -435,30 +435,33 @@ impl Store for RedisStore {
         Box::pin(async move {
             let encoded = response.encode();
             let retention = millis(retention);
+            let key = self.record_key(lease.record());
             // With a tombstone to write beside the record, complete.lua writes both.
-            let tombstone = (!self.horizon.is_zero())
-                .then(|| self.tombstone_key(&self.record_key(lease.record())))
-                .flatten();
+            let tombstone = self.tombstone_key(&key);
             let completed = |in_flight: &[u8]| record::completed(in_flight, &encoded);
             if tombstone.is_none()
-                && let Some(ownership) = self.compare_and_set(lease, completed, retention).await?
+                && let Some(ownership) = self
+                    .compare_and_set((lease, &key), completed, retention)
+                    .await?
             {
                 return Ok(ownership);
             }
             // A status is three digits (100 to 999).
             let status = response.status().as_u16();
             let args = (&encoded[..], retention, millis(self.horizon), status);
-            self.owner_checked(&COMPLETE, (lease, tombstone), (args, encoded.len()))
+            let record = (lease, &*key, tombstone.as_deref());
+            self.owner_checked(&COMPLETE, record, (args, encoded.len()))
                 .await
         })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
-            if let Some(ownership) = self.delete_if_equal(lease).await? {
+            let key = self.record_key(lease.record());
+            if let Some(ownership) = self.delete_if_equal((lease, &key)).await? {
                 return Ok(ownership);
             }
-            self.owner_checked(&RELEASE, (lease, None), (None::<u64>, 0))
+            self.owner_checked(&RELEASE, (lease, &key, None), (None::<u64>, 0))
                 .await
         })
     }
