@@ -26,11 +26,9 @@
 
 use std::time::Duration;
 
-use axum::{Router, body::Body, http::StatusCode, routing::post};
+use axum::{Router, http::StatusCode};
 use bytes::Bytes;
-use http::{HeaderMap, Request, header};
-use http_body_util::BodyExt;
-use tower::ServiceExt;
+use http::HeaderMap;
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, MemoryStore,
     store::{
@@ -40,8 +38,10 @@ use tower_idempotency::{
 };
 use uuid::Uuid;
 
-/// About 200 bytes, as a payment API answers (the load bench's answer).
-const ANSWER: &str = r#"{"id":"pay_8f14e45fceea167a5a36dedd4bea2543","object":"payment","amount_cents":4900,"currency":"usd","customer":"cus_1","status":"succeeded","charge_id":"ch_c9f0f895fb98ab9159f51fd0297e236d"}"#;
+#[path = "common/route.rs"]
+mod route;
+
+use route::{ANSWER, app, send};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -74,33 +74,10 @@ fn main() {
     });
 }
 
-/// The route, made once as `axum::serve` makes it (`with_state`).
-fn app(layer: Option<IdempotencyLayer>) -> Router {
-    let handler = post(|_body: Bytes| async {
-        (
-            StatusCode::CREATED,
-            [(header::CONTENT_TYPE, "application/json")],
-            ANSWER,
-        )
-    });
-    let router = match layer {
-        Some(layer) => Router::new().route("/payments", handler.route_layer(layer)),
-        None => Router::new().route("/payments", handler),
-    };
-    router.with_state(())
-}
-
 async fn requests(app: Router, n: u64) {
     let body = Bytes::from(vec![b'x'; 1024]);
     for i in 0..n {
-        let request = Request::post("/payments")
-            .header("idempotency-key", format!("fresh-{i}"))
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Body::from(body.clone()))
-            .unwrap();
-        let response = app.clone().oneshot(request).await.unwrap();
-        assert_eq!(response.status(), StatusCode::CREATED);
-        response.into_body().collect().await.unwrap();
+        send(&app, format!("fresh-{i}"), &body).await;
     }
 }
 

@@ -13,20 +13,20 @@ use std::{
     sync::atomic::{AtomicU64, Ordering::Relaxed},
 };
 
-use axum::{Router, body::Body, http::StatusCode, routing::post};
+use axum::http::StatusCode;
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use http::{HeaderMap, HeaderValue, Request, header};
-use http_body_util::BodyExt;
 use sha2::{Digest, Sha256};
-use tower::ServiceExt;
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, MemoryStore, store::CachedStore, store::Fingerprint,
     store::StoredResponse,
 };
 
-/// About 200 bytes, as a payment API answers.
-const ANSWER: &str = r#"{"id":"pay_8f14e45fceea167a5a36dedd4bea2543","object":"payment","amount_cents":4900,"currency":"usd","customer":"cus_1","status":"succeeded","charge_id":"ch_c9f0f895fb98ab9159f51fd0297e236d"}"#;
+#[path = "common/route.rs"]
+mod route;
+
+use route::{ANSWER, app, send};
 
 fn keys(c: &mut Criterion) {
     let mut group = c.benchmark_group("key");
@@ -91,34 +91,6 @@ fn codec(c: &mut Criterion) {
         b.iter(|| StoredResponse::decode(black_box(encoded.clone())))
     });
     group.finish();
-}
-
-/// The route, made once as `axum::serve` makes it (`with_state`): a router left unmade boxes its
-/// handler and applies its layers again on every request.
-fn app(layer: Option<IdempotencyLayer>) -> Router {
-    let handler = post(|_body: Bytes| async {
-        (
-            StatusCode::CREATED,
-            [(header::CONTENT_TYPE, "application/json")],
-            ANSWER,
-        )
-    });
-    let router = match layer {
-        Some(layer) => Router::new().route("/payments", handler.route_layer(layer)),
-        None => Router::new().route("/payments", handler),
-    };
-    router.with_state(())
-}
-
-async fn send(app: &Router, key: String, body: &Bytes) {
-    let request = Request::post("/payments")
-        .header("idempotency-key", key)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body.clone()))
-        .unwrap();
-    let response = app.clone().oneshot(request).await.unwrap();
-    assert_eq!(response.status(), StatusCode::CREATED);
-    response.into_body().collect().await.unwrap();
 }
 
 fn requests(c: &mut Criterion) {
