@@ -1,7 +1,7 @@
 -- Claims an idempotency key, or returns the record that holds it, or its tombstone. The only
 -- script that creates a record; the store runs it where it keeps tombstones, or where the server
--- has no SET ... NX GET (Redis before 7.0). Elsewhere a claim is that SET, a PTTL and a TIME in
--- one transaction, which writes the same record (src/store/redis/compare.rs).
+-- has no SET ... NX GET (Redis before 7.0). Elsewhere a claim is that SET, a PTTL and a TIME,
+-- pipelined, which writes the same record (src/store/redis/compare.rs).
 --
 -- The record is one string: a layout byte, a state byte ("i" in flight, "c" completed), the
 -- request fingerprint (32 bytes), the owner token (16 bytes), the fence (16 decimal digits),

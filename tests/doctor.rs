@@ -86,11 +86,11 @@ async fn the_version_line_names_the_compare_and_set_commands_the_server_has() {
         .clone()
         .with_tombstones(std::time::Duration::from_secs(60));
     for (store, claims) in [
-        (plain, "a claim is one SET NX GET in a transaction"),
+        (plain, "a claim is one SET NX GET, pipelined"),
         (
             with_tombstones,
             "a claim runs claim.lua (it reads the tombstone), in front of an authority one SET \
-             NX GET in a transaction",
+             NX GET, pipelined",
         ),
     ] {
         let diagnosis = store.diagnose().await;

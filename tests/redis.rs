@@ -175,8 +175,8 @@ async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_wher
     assert_eq!(store.release(&lease).await.unwrap(), Ownership::Lost);
     assert_eq!(store.release(&again).await.unwrap(), Ownership::Held);
 
-    // A script's own `redis.call`s count too, and so do a transaction's commands: each claim is
-    // one SET (NX GET) in a transaction, each scripted completion one SET inside complete.lua
+    // A script's own `redis.call`s count too: each claim is one SET (NX GET) and one PTTL,
+    // pipelined, with no transaction, each scripted completion one SET inside complete.lua
     // (renew.lua's is a PEXPIRE), each scripted release that deletes one DEL inside release.lua.
     let count = async |command: &str| server.calls(command).await;
     let counts = (
@@ -185,8 +185,9 @@ async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_wher
         count("delifeq").await,
         count("del").await,
     );
-    // 4 claims that acquire and 2 replays are transactions, whatever the server.
-    assert_eq!(count("exec").await, 6, "claims made by command");
+    // 4 claims that acquire and 2 replays are pipelines, whatever the server.
+    assert_eq!(count("pttl").await, 6, "claims made by command");
+    assert_eq!(count("exec").await, 0, "claims in a transaction");
     match (server.has_set_ifeq().await, server.has_delifeq().await) {
         // Renewals and completions are one SET each, releases one DELIFEQ each.
         (true, true) => assert_eq!(counts, (0, 6 + 6, 5, 0)),
@@ -199,10 +200,10 @@ async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_wher
     assert_eq!(server.calls("command|docs").await, 0, "asked again");
 }
 
-/// Without tombstones the store claims with one `SET … NX GET`, a `PTTL` and a `TIME` in a
-/// transaction, and so does it in front of an authority (`Store::claim_in_front`) even with
-/// tombstones. Its answers are claim.lua's: granted, granted again to its owner with a fence no
-/// earlier, in flight to another owner for what is left of the lease, a mismatch to another
+/// Without tombstones the store claims with one `SET … NX GET`, a `PTTL` and a `TIME`,
+/// pipelined, and so does it in front of an authority (`Store::claim_in_front`) even with
+/// tombstones. Its answers are claim.lua's: granted, granted again to its owner (in a
+/// transaction) with a fence no earlier, in flight to another owner for what is left of the lease, a mismatch to another
 /// request, the answer to a retry with what is left of the retention. The record is the one
 /// claim.lua writes: the script (which a store with tombstones claims with) reads it, and the
 /// lease finalizes it.
@@ -235,7 +236,10 @@ async fn a_claim_by_command_answers_as_claim_lua_does() {
         let other_body = conformance::claim_request("tenant", key, "another body", lease);
         assert_eq!(claim(&other_body).await, ClaimOutcome::Mismatch);
         assert_eq!(server.calls("evalsha").await, 0, "{key}: a script claimed");
-        assert_eq!(server.calls("exec").await, 4, "{key}: claims by command");
+        // Four pipelines, one PTTL each, and the owner's claim asked again once more in a
+        // transaction.
+        let calls = (server.calls("pttl").await, server.calls("exec").await);
+        assert_eq!(calls, (4 + 1, 1), "{key}: claims by command");
 
         let retention = Duration::from_secs(3600);
         let held = request.lease_with_fence(fence);
@@ -258,8 +262,14 @@ async fn a_claim_by_command_answers_as_claim_lua_does() {
             assert_eq!(response, ok_response());
             assert!(expires_in <= retention && expires_in > retention - Duration::from_secs(5));
         }
-        let calls = (server.calls("exec").await, server.calls("evalsha").await);
-        assert_eq!(calls, (1, 1), "{key}: one replay each way");
+        // claim.lua reads the time left with a PTTL of its own.
+        let calls = (server.calls("pttl").await, server.calls("evalsha").await);
+        assert_eq!(calls, (1 + 1, 1), "{key}: one replay each way");
+        assert_eq!(
+            server.calls("exec").await,
+            0,
+            "{key}: a replay in a transaction"
+        );
     }
 }
 

@@ -61,7 +61,7 @@ async fn claim_and_complete(store: &impl Store, key: &str) {
     assert_eq!(completed.await.unwrap(), Ownership::Held);
 }
 
-/// Behind Postgres, Redis claims with one `SET … NX GET` in a transaction, no script, and
+/// Behind Postgres, Redis claims with one pipelined `SET … NX GET`, no script, and
 /// completes the record it wrote by compare-and-set where it can: the fence it wrote travels
 /// in the lease beside the authority's (which the handler sees), so the front holds the answer
 /// after one `SET`, and still after a script where the server has no `SET … IFEQ`.
@@ -82,21 +82,22 @@ async fn the_front_claims_by_command_and_completes_by_compare_and_set_where_it_c
             other => panic!("the front does not hold the answer: {other:?}"),
         }
     }
-    // Each claim and each replay is one SET in a transaction; a completion is one SET, its own
-    // or inside complete.lua: the scripts run say which.
+    // Each claim and each replay is one SET and one PTTL, pipelined, with no transaction; a
+    // completion is one SET, its own or inside complete.lua: the scripts run say which.
     let count = async |command: &str| server.calls(command).await;
     let counts = (
         count("evalsha").await,
         count("set").await,
+        count("pttl").await,
         count("exec").await,
     );
     let completions_scripted = if server.has_set_ifeq().await { 0 } else { 3 };
-    assert_eq!(counts, (completions_scripted, 3 + 3 + 3, 3 + 3));
+    assert_eq!(counts, (completions_scripted, 3 + 3 + 3, 3 + 3, 0));
 }
 
 /// A replay cache around the front (`TieredStore::new(CachedStore::new(redis), postgres)`)
-/// keeps the front's claim without a script: each fresh key's claim is one `SET` in a
-/// transaction, as with Redis alone in front.
+/// keeps the front's claim without a script: each fresh key's claim is one `SET` and one
+/// `PTTL`, pipelined, as with Redis alone in front.
 #[tokio::test]
 async fn a_cached_front_claims_by_command_too() {
     let server = RedisServer::start().await;
@@ -113,8 +114,9 @@ async fn a_cached_front_claims_by_command_too() {
     }
     // Scripts run only for completions, and only where the server has no `SET … IFEQ`.
     let completions_scripted = if server.has_set_ifeq().await { 0 } else { 3 };
-    let counts = (server.calls("evalsha").await, server.calls("exec").await);
+    let counts = (server.calls("evalsha").await, server.calls("pttl").await);
     assert_eq!(counts, (completions_scripted, 3));
+    assert_eq!(server.calls("exec").await, 0, "claims in a transaction");
 }
 
 #[tokio::test]

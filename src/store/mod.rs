@@ -32,6 +32,10 @@
 //! - Every write after a claim is conditional on the owner token: a stale owner (whose lease
 //!   expired and was reclaimed) changes nothing and learns [`Ownership::Lost`].
 //! - An `in_flight` key whose lease has expired is treated exactly like an absent one.
+//! - A grant is good for its lease counted from when its claim was sent. A caller that gets the
+//!   answer late (the layer: a third of its lease or more) renews the lease, owner-checked,
+//!   before any work runs under it, and runs nothing if the key is gone. Fences grow across the
+//!   grants used so (a store may read a grant's fence a moment after its claim took the key).
 //! - A key with a different fingerprint is a [`ClaimOutcome::Mismatch`] while it exists.
 //! - Lease and retention times are measured on the store's clock, never the application's.
 //!
@@ -689,7 +693,8 @@ impl Lease {
 pub enum ClaimOutcome {
     /// The claimant now owns the key: run the handler.
     Acquired {
-        /// Greater than the fence of every earlier claim of this key the store remembers.
+        /// Greater than the fence of every earlier claim of this key the store remembers (of
+        /// every grant used within its lease: see the [module's rules](self)).
         fence: u64,
     },
     /// Another owner holds a live lease (or has committed and not yet completed).

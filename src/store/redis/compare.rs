@@ -1,4 +1,4 @@
-//! Commands where the server has them: a claim by `SET … NX GET` in a transaction, and
+//! Commands where the server has them: a claim by a pipelined `SET … NX GET`, and
 //! compare-and-set, completion and renewal by `SET … IFEQ`, release by `DELIFEQ`, each on the
 //! exact record the lease's claim wrote; `None` sends the caller to its script. What the server
 //! has is asked once ([`RedisStore::offers`], which the doctor asks too), not read from its
@@ -170,17 +170,28 @@ impl RedisStore {
         }
     }
 
-    /// A claim without a script: one `SET … NX GET PX`, a `PTTL` and a `TIME`, in one
-    /// transaction (`MULTI`), instead of claim.lua. The record written is the one claim.lua
-    /// writes, named by a fence from this machine's clock (completion and release compare the
-    /// whole of it); the fence granted is the server's clock read in the same transaction,
-    /// while the record is the claimant's, so it grows across claims, expiries and releases as
-    /// claim.lua's does. A claim asked again by its owner is granted again with the server's
-    /// clock of that moment: still later than every earlier claim's fence, and earlier than
-    /// every later one's. Tombstones are not read here (a store that keeps them claims with
-    /// claim.lua, a store in front of an authority leaves them to it). `None` where the server
-    /// has no `SET … NX GET` (Redis before 7.0), or refuses it, or where a cluster redirects
-    /// the transaction (the key's slot is moving): the caller runs claim.lua.
+    /// A claim without a script: one `SET … NX GET PX`, a `PTTL` and a `TIME`, pipelined,
+    /// instead of claim.lua. The record written is the one claim.lua writes, named by a fence
+    /// from this machine's clock (completion and release compare the whole of it); the fence
+    /// granted is the server's clock, read after the `SET` on the same connection.
+    ///
+    /// Why fences still grow without a transaction around the three: a `SET` that creates the
+    /// record gives the key a whole lease, so only a server that stalled for a lease between
+    /// the `SET` and the `TIME` could let another claimant in between, and the answer to such
+    /// a claim comes more than a lease after it was sent: a grant is checked (renewed) before
+    /// work starts under it when its answer came late (see [`ClaimOutcome::Acquired`]), and
+    /// that renewal finds the key in other hands. A claim asked again by its owner finds its
+    /// record with whatever is left of the lease, which may run out between the commands: that
+    /// one is sent again as a transaction (`MULTI`), which grants it with the server's clock of
+    /// a moment the record was still its own (later than every earlier claim's fence, and
+    /// earlier than every later one's), or claims the key afresh if it expired. The time left
+    /// on a key in flight is read after the `SET` too, so it is capped at this claim's lease
+    /// (the owner may have completed it in between, giving it a retention).
+    ///
+    /// Tombstones are not read here (a store that keeps them claims with claim.lua, a store in
+    /// front of an authority leaves them to it). `None` where the server has no
+    /// `SET … NX GET` (Redis before 7.0), or refuses it, or where a cluster redirects the
+    /// claim (the key's slot is moving): the caller runs claim.lua.
     pub(super) async fn claim_by_command(
         &self,
         request: &ClaimRequest,
@@ -197,53 +208,70 @@ impl RedisStore {
         let corrupt = |reason: String| StoreError::corrupt(STORE, request.record(), reason);
         let record = record::in_flight(request.fingerprint(), request.owner(), name)
             .ok_or_else(|| corrupt(format!("this machine's clock reads {name} µs")))?;
-        let claim = self.claim_transaction(request, record);
-        type Reply = (Option<Vec<u8>>, i64, (u64, u64));
-        let reply = self
-            .call(
-                async |connection| match claim.query_async::<Reply>(connection).await {
-                    Err(error) if refusal(&error) => {
-                        tracing::debug!(%error, "Redis refused SET … NX GET: claim.lua claims");
-                        self.known.refuse(Offers::SET_NX_GET);
-                        Ok(None)
-                    }
-                    // The client follows a cluster's redirections for one command, not for a
-                    // transaction, which the node discarded: the script claims this once.
-                    Err(error) if redirected(&error) => {
-                        tracing::debug!(%error, "the key's slot is moving: claim.lua claims");
-                        Ok(None)
-                    }
-                    reply => reply.map(Some),
-                },
-            )
-            .await?;
-        let Some((held, left, time)) = reply else {
-            return Ok(None);
-        };
-        let outcome = match held {
-            None => ClaimOutcome::Acquired { fence: name },
-            Some(held) => {
-                let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
-                super::read_record(&held, request, left).map_err(corrupt)?
-            }
-        };
-        // The record this claim (or its owner's first) wrote is named by its fence; the
-        // claim's fence is the server's clock.
-        Ok(Some(match outcome {
-            ClaimOutcome::Acquired { fence: written } => {
-                request.note_written(written);
-                let fence = super::admin::micros(time);
-                ClaimOutcome::Acquired {
-                    fence: u64::try_from(fence).unwrap_or(u64::MAX),
+        let mut claim = self.claim_pipeline(request, record);
+        loop {
+            let Some((held, left, time)) = self.send_claim(&claim).await? else {
+                return Ok(None);
+            };
+            let outcome = match &held {
+                None => ClaimOutcome::Acquired { fence: name },
+                Some(held) => {
+                    let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
+                    super::read_record(held, request, left).map_err(corrupt)?
                 }
-            }
-            other => other,
-        }))
+            };
+            return Ok(Some(match outcome {
+                // Asked again by its owner: again, in a transaction.
+                ClaimOutcome::Acquired { .. } if held.is_some() && !claim.is_transaction() => {
+                    claim.atomic();
+                    continue;
+                }
+                // The record this claim (or its owner's first) wrote is named by its fence;
+                // the claim's fence is the server's clock.
+                ClaimOutcome::Acquired { fence: written } => {
+                    request.note_written(written);
+                    let fence = super::admin::micros(time);
+                    ClaimOutcome::Acquired {
+                        fence: u64::try_from(fence).unwrap_or(u64::MAX),
+                    }
+                }
+                ClaimOutcome::InFlight { retry_after } => ClaimOutcome::InFlight {
+                    retry_after: retry_after.min(request.lease()),
+                },
+                other => other,
+            }));
+        }
     }
 
-    /// The transaction of [`claim_by_command`](Self::claim_by_command): `record` set where
-    /// no record is, for the lease, with the record there, its time left and the server's clock.
-    fn claim_transaction(&self, request: &ClaimRequest, record: Vec<u8>) -> Pipeline {
+    /// Sends the claim of [`claim_by_command`](Self::claim_by_command): with the record there,
+    /// its time left (ms), and the server's clock; `None` where claim.lua claims instead.
+    async fn send_claim(
+        &self,
+        claim: &Pipeline,
+    ) -> Result<Option<(Option<Vec<u8>>, i64, (u64, u64))>, StoreError> {
+        self.call(
+            async |connection| match claim.query_async(connection).await {
+                Err(error) if refusal(&error) => {
+                    tracing::debug!(%error, "Redis refused SET … NX GET: claim.lua claims");
+                    self.known.refuse(Offers::SET_NX_GET);
+                    Ok(None)
+                }
+                // The client follows a cluster's redirections for one command, not for a
+                // pipeline or a transaction, which the node did not run: the script claims this
+                // once.
+                Err(error) if redirected(&error) => {
+                    tracing::debug!(%error, "the key's slot is moving: claim.lua claims");
+                    Ok(None)
+                }
+                reply => reply.map(Some),
+            },
+        )
+        .await
+    }
+
+    /// The pipeline of [`claim_by_command`](Self::claim_by_command): `record` set where no
+    /// record is, for the lease, with the record there, its time left and the server's clock.
+    fn claim_pipeline(&self, request: &ClaimRequest, record: Vec<u8>) -> Pipeline {
         let key = self.record_key(request.record());
         // Each command built at its size (see `super::command`): `NX GET PX` and 20 digits.
         let mut set = super::command("SET", 7, key.len() + record.len() + 27);
@@ -251,8 +279,7 @@ impl RedisStore {
         set.arg("PX").arg(super::millis(request.lease()));
         let mut left = super::command("PTTL", 2, key.len());
         left.arg(&key);
-        let mut claim = ::redis::pipe();
-        claim.atomic();
+        let mut claim = ::redis::Pipeline::with_capacity(3);
         claim.add_command(set);
         claim.add_command(left);
         claim.add_command(super::command("TIME", 1, 0));
@@ -356,18 +383,21 @@ fn refusal(error: &RedisError) -> bool {
     error.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
 }
 
-/// Whether `error` is a transaction a cluster's node discarded because the key's slot is
-/// elsewhere, or on its way there (`MOVED`, `ASK`): nothing in it ran.
+/// Whether `error` says a cluster's node did not run a claim because the key's slot is
+/// elsewhere, or on its way there (`MOVED`, `ASK`): as the pipeline's own error, or as the
+/// error of a transaction the node discarded.
 fn redirected(error: &RedisError) -> bool {
-    error.kind() == ErrorKind::Server(ServerErrorKind::ExecAbort)
-        && (error.clone().into_server_errors()).is_some_and(|errors| {
-            errors.iter().any(|(_, error)| {
-                matches!(
-                    error.kind(),
-                    Some(ServerErrorKind::Moved | ServerErrorKind::Ask)
-                )
-            })
-        })
+    let redirection = |kind| matches!(kind, ServerErrorKind::Moved | ServerErrorKind::Ask);
+    match error.kind() {
+        ErrorKind::Server(kind) if redirection(kind) => true,
+        ErrorKind::Server(ServerErrorKind::ExecAbort) => (error.clone().into_server_errors())
+            .is_some_and(|errors| {
+                errors
+                    .iter()
+                    .any(|(_, error)| error.kind().is_some_and(redirection))
+            }),
+        _ => false,
+    }
 }
 
 /// A reply a compare-and-set `command` never gives.

@@ -207,10 +207,10 @@ fn version(server: &Info, offers: Offers, tombstones: bool) -> (Severity, String
         (false, false) => "completion, renewal and release run scripts",
     };
     let claims = match (offers.has(Offers::SET_NX_GET), tombstones) {
-        (true, false) => "a claim is one SET NX GET in a transaction",
+        (true, false) => "a claim is one SET NX GET, pipelined",
         (true, true) => {
             "a claim runs claim.lua (it reads the tombstone), in front of an authority one SET NX \
-             GET in a transaction"
+             GET, pipelined"
         }
         (false, _) => "a claim runs claim.lua, in front of an authority too",
     };

@@ -44,18 +44,22 @@ use crate::response::StoredResponse;
 /// # Commands where the server has them, scripts where it has not
 ///
 /// On Redis 7.0 and newer (and Valkey) a claim is not a script but one `SET … NX GET PX`, a
-/// `PTTL` and a `TIME` in one transaction (`MULTI`): the `SET` creates the record or answers
-/// the one there, the `PTTL` says what is left of its life, and the fence is the server's clock
-/// read while the record is the claimant's, so fences grow across claims, expiries and releases
-/// as they did when claim.lua drew them (a third to a half of the script's server time on a
-/// fresh key, about half on a replay; see `BENCHMARKS.md`). The record is named by this
+/// `PTTL` and a `TIME`, pipelined: the `SET` creates the record or answers the one there, the
+/// `PTTL` says what is left of its life, and the fence is the server's clock read just after
+/// the `SET` took the key for a whole lease, so fences grow across claims, expiries and
+/// releases as they did when claim.lua drew them, for every grant used within its lease (a
+/// grant answered late is renewed before work starts under it: see the
+/// [module's rules](crate::store)). The three cost the server less than the script, and less
+/// than the same three in a transaction (see `BENCHMARKS.md`). The record is named by this
 /// machine's clock (its fence field, which completion and release compare; the operator's
-/// views read a record's age from it). A claim asked again by its owner is granted with the
-/// server's clock of that moment, a later fence than its first answer's. A store
-/// [with tombstones](Self::with_tombstones) claims with claim.lua, which reads the tombstone in
-/// the same call, and so does a server without `SET … NX GET`. On a cluster, a claim whose
-/// key's slot is moving between masters runs claim.lua (the client follows a redirection for
-/// one command, not for a transaction), and one node's answer says what every node has.
+/// views read a record's age from it). A claim asked again by its owner, which finds its
+/// record with less than a lease left, is sent again in a transaction (`MULTI`), and granted
+/// with the server's clock of a moment the record was still its own, a later fence than its
+/// first answer's. A store [with tombstones](Self::with_tombstones) claims with claim.lua,
+/// which reads the tombstone in the same call, and so does a server without `SET … NX GET`.
+/// On a cluster, a claim whose key's slot is moving between masters runs claim.lua (the client
+/// follows a redirection for one command, not for a pipeline), and one node's answer says what
+/// every node has.
 ///
 /// On a server with `SET … IFEQ` (Valkey 8.1 and newer, Redis 8.4 and newer) completion and
 /// renewal are not scripts but one `SET` conditional on the whole in-flight record the claim
@@ -64,7 +68,7 @@ use crate::response::StoredResponse;
 /// with `DELIFEQ` (Valkey 9.0 and newer) release is one `DELIFEQ` on that same record. In front
 /// of an authority ([`TieredStore`](crate::store::TieredStore), see [`Store::claim_in_front`])
 /// the authority's fence is the handler's and its tombstones the ones that count, so the
-/// claim is the transaction above even with tombstones. `DELEX … IFEQ` (Redis 8.4) is not used
+/// claim is the pipeline above even with tombstones. `DELEX … IFEQ` (Redis 8.4) is not used
 /// yet. The records are the same either way. The store asks the server which of these
 /// commands it has, once, before its first claim (`COMMAND DOCS SET`, `COMMAND INFO`: from what
 /// the server says, not from its version string; the doctor's version line asks the same); a
