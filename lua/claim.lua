@@ -14,20 +14,33 @@
 -- ARGV[2]: the lease, in milliseconds
 -- Returns: {0, fence}          acquired: the record is the claimant's, in flight for the lease
 --          {1, record, pttl}   the key is held: its record, and the milliseconds it has left
+--          {1, record, pttl, now}
+--                              the claimant's own record, in flight (its claim asked again, the
+--                              first answer lost): granted again, with the server's clock as its
+--                              fence (the record keeps the fence that names it)
 --          {2, tombstone, now} the key completed and its answer is gone: its tombstone, and the
 --                              server's clock (16 digits of microseconds, as a fence)
 --
 -- The fence is the server clock in microseconds: it grows across expiry and release for as long
--- as that clock does (Postgres, where present, hands out the authoritative fence).
+-- as that clock does (Postgres, where present, hands out the authoritative fence). A claim asked
+-- again gets the clock of that moment too, whoever wrote the record (this script, or the
+-- pipelined SET, which names its record by the application's clock).
 --
--- The record is read first: a replay or a duplicate (the claims that find one) reads and
--- writes nothing more; a script runs alone, so nothing comes between the read and the write.
+-- The record is read first: a replay or a duplicate (the claims that find one) writes nothing and
+-- reads only its time left (and the clock, for its owner); a script runs alone, so nothing comes
+-- between the read and the write.
+local function server_clock()
+  local now = redis.call('TIME')
+  return now[1] .. string.format('%06d', tonumber(now[2]))
+end
 local record = redis.call('GET', KEYS[1])
 if record then
+  if string.sub(record, 1, #ARGV[1]) == ARGV[1] then
+    return {1, record, redis.call('PTTL', KEYS[1]), server_clock()}
+  end
   return {1, record, redis.call('PTTL', KEYS[1])}
 end
-local now = redis.call('TIME')
-local clock = now[1] .. string.format('%06d', tonumber(now[2]))
+local clock = server_clock()
 if KEYS[2] then
   local tombstone = redis.call('GET', KEYS[2])
   if tombstone then

@@ -273,6 +273,34 @@ async fn a_claim_by_command_answers_as_claim_lua_does() {
     }
 }
 
+/// A claim asked again by its owner may run claim.lua where the first ran the pipeline (on a
+/// cluster, the key's slot moved in between): granted again, its fence is the server's clock
+/// of that moment as the pipeline's would be, no earlier than the first grant's, and not the
+/// first claim's record name (this machine's clock, read before it was sent).
+#[tokio::test]
+async fn a_claim_asked_again_by_claim_lua_keeps_its_fence_growing() {
+    let server = RedisServer::start().await;
+    let plain = store_on(&server.url());
+    // The same records, claimed by claim.lua (it reads the tombstone there).
+    let by_script = plain.clone().with_tombstones(Duration::from_secs(3600));
+    let request = claim_request("k-asked-again", Duration::from_secs(30));
+    let ClaimOutcome::Acquired { fence } = plain.claim(&request).await.unwrap() else {
+        panic!("not acquired");
+    };
+    server.reset_stats().await;
+    let again = by_script.claim(&request).await.unwrap();
+    assert_eq!(server.calls("evalsha").await, 1, "claim.lua claimed");
+    let ClaimOutcome::Acquired { fence: again } = again else {
+        panic!("the owner asked again got {again:?}");
+    };
+    assert!(again >= fence, "granted again with {again}, below {fence}");
+    // The lease of the second answer finalizes the record the first claim wrote.
+    let response = ok_response();
+    let held = request.lease_with_fence(again);
+    let completed = plain.complete(&held, &response, Duration::from_secs(60));
+    assert_eq!(completed.await.unwrap(), Ownership::Held);
+}
+
 #[tokio::test]
 async fn a_restarted_redis_is_reconnected() {
     let mut server = RedisServer::start().await;

@@ -55,7 +55,7 @@ use crate::response::StoredResponse;
 /// views read a record's age from it). A claim asked again by its owner, which finds its
 /// record with less than a lease left, is sent again in a transaction (`MULTI`), and granted
 /// with the server's clock of a moment the record was still its own, a later fence than its
-/// first answer's. A store [with tombstones](Self::with_tombstones) claims with claim.lua,
+/// first answer's; claim.lua grants it so too, whichever way the record was written. A store [with tombstones](Self::with_tombstones) claims with claim.lua,
 /// which reads the tombstone in the same call, and so does a server without `SET … NX GET`.
 /// On a cluster, a claim whose key's slot is moving between masters runs claim.lua (the client
 /// follows a redirection for one command, not for a pipeline), and one node's answer says what
@@ -352,10 +352,10 @@ impl RedisStore {
         let reply: Value = self
             .call(async |connection| evaluate(connection, &CLAIM, &eval).await)
             .await?;
-        let outcome = parse_claim(reply, request)
+        let (outcome, written) = parse_claim(reply, request)
             .map_err(|reason| StoreError::corrupt(STORE, request.record(), reason))?;
-        if let ClaimOutcome::Acquired { fence } = outcome {
-            request.note_written(fence);
+        if let Some(written) = written {
+            request.note_written(written);
         }
         Ok(outcome)
     }
@@ -595,18 +595,36 @@ fn millis(duration: Duration) -> u64 {
         .max(1)
 }
 
-/// Reads claim.lua's reply; `Err` describes what is wrong with the record.
-fn parse_claim(reply: Value, request: &ClaimRequest) -> Result<ClaimOutcome, String> {
+/// Reads claim.lua's reply: the outcome and, where it granted the claim, the fence that names the
+/// record (which the lease finalizes); `Err` describes what is wrong with the record.
+fn parse_claim(
+    reply: Value,
+    request: &ClaimRequest,
+) -> Result<(ClaimOutcome, Option<u64>), String> {
     let Value::Array(items) = reply else {
         return Err(format!("unexpected claim reply {reply:?}"));
     };
+    let unexpected = || format!("unexpected claim reply {items:?}");
     match items.as_slice() {
         [Value::Int(0), Value::BulkString(fence)] => record::number(fence)
-            .map(|fence| ClaimOutcome::Acquired { fence })
+            .map(|fence| (ClaimOutcome::Acquired { fence }, Some(fence)))
             .ok_or_else(|| format!("unreadable fence {fence:?}")),
-        [Value::Int(1), Value::BulkString(record), Value::Int(pttl)] => {
+        [
+            Value::Int(1),
+            Value::BulkString(record),
+            Value::Int(pttl),
+            now @ ..,
+        ] => {
             let left = Duration::from_millis(u64::try_from(*pttl).unwrap_or(0));
-            read_record(record, request, left)
+            match (read_record(record, request, left)?, now) {
+                // Its owner's, asked again: granted with the server's clock of this moment.
+                (ClaimOutcome::Acquired { fence: written }, [Value::BulkString(now)]) => {
+                    let fence = record::number(now).ok_or("unreadable server time")?;
+                    Ok((ClaimOutcome::Acquired { fence }, Some(written)))
+                }
+                (ClaimOutcome::Acquired { .. }, _) | (_, [_, ..]) => Err(unexpected()),
+                (outcome, []) => Ok((outcome, None)),
+            }
         }
         [
             Value::Int(2),
@@ -615,15 +633,18 @@ fn parse_claim(reply: Value, request: &ClaimRequest) -> Result<ClaimOutcome, Str
         ] => {
             let tombstone = Tombstone::parse(tombstone)?;
             if !tombstone.matches(request.fingerprint()) {
-                return Ok(ClaimOutcome::Mismatch);
+                return Ok((ClaimOutcome::Mismatch, None));
             }
             let now = record::number(now).ok_or("unreadable server time")?;
-            Ok(ClaimOutcome::AnswerExpired {
-                status: tombstone.status,
-                completed_ago: since(u128::from(tombstone.completed), u128::from(now)),
-            })
+            Ok((
+                ClaimOutcome::AnswerExpired {
+                    status: tombstone.status,
+                    completed_ago: since(u128::from(tombstone.completed), u128::from(now)),
+                },
+                None,
+            ))
         }
-        _ => Err(format!("unexpected claim reply {items:?}")),
+        _ => Err(unexpected()),
     }
 }
 
@@ -706,18 +727,23 @@ mod tests {
         record
     }
 
+    /// The outcome claim.lua's reply says.
+    fn outcome(reply: Value, request: &ClaimRequest) -> Result<ClaimOutcome, String> {
+        parse_claim(reply, request).map(|(outcome, _)| outcome)
+    }
+
     #[test]
     fn records_are_read_by_state_and_fingerprint() {
         let request = request();
         let fp = request.fingerprint().as_bytes();
         assert_eq!(
-            parse_claim(held(record(LAYOUT, b'i', fp, b""), 1500), &request),
+            outcome(held(record(LAYOUT, b'i', fp, b""), 1500), &request),
             Ok(ClaimOutcome::InFlight {
                 retry_after: Duration::from_millis(1500)
             })
         );
         assert_eq!(
-            parse_claim(held(record(LAYOUT, b'i', &[0; 32], b""), 1500), &request),
+            outcome(held(record(LAYOUT, b'i', &[0; 32], b""), 1500), &request),
             Ok(ClaimOutcome::Mismatch)
         );
         let response = StoredResponse::new(
@@ -726,7 +752,7 @@ mod tests {
             Some("done".into()),
             None,
         );
-        let completed = parse_claim(
+        let completed = outcome(
             held(record(LAYOUT, b'c', fp, &response.encode()), 1500),
             &request,
         );
@@ -743,10 +769,47 @@ mod tests {
         ]);
         assert_eq!(
             parse_claim(acquired, &request),
-            Ok(ClaimOutcome::Acquired {
-                fence: 1_795_968_561_227_110
-            })
+            Ok((
+                ClaimOutcome::Acquired {
+                    fence: 1_795_968_561_227_110
+                },
+                Some(1_795_968_561_227_110)
+            ))
         );
+    }
+
+    /// The claimant's own record, asked again: granted with the server's clock the script read,
+    /// the lease finalizing the record by the fence that names it.
+    #[test]
+    fn a_claim_asked_again_is_granted_with_the_servers_clock() {
+        let request = request();
+        let own = record::in_flight(
+            request.fingerprint(),
+            request.owner(),
+            1_795_968_561_227_110,
+        );
+        let Value::Array(mut reply) = held(own.unwrap(), 1500) else {
+            unreachable!()
+        };
+        reply.push(Value::BulkString(b"1795968561999999".to_vec()));
+        assert_eq!(
+            parse_claim(Value::Array(reply.clone()), &request),
+            Ok((
+                ClaimOutcome::Acquired {
+                    fence: 1_795_968_561_999_999
+                },
+                Some(1_795_968_561_227_110)
+            ))
+        );
+        // Without the clock, or with a clock for a record that is not the claimant's: unreadable.
+        reply.pop();
+        assert!(parse_claim(Value::Array(reply), &request).is_err());
+        let fp = request.fingerprint().as_bytes();
+        let Value::Array(mut others) = held(record(LAYOUT, b'i', fp, b""), 1500) else {
+            unreachable!()
+        };
+        others.push(Value::BulkString(b"1795968561999999".to_vec()));
+        assert!(parse_claim(Value::Array(others), &request).is_err());
     }
 
     #[test]
