@@ -153,7 +153,8 @@ impl RedisStore {
         if let Some(known) = self.known.get() {
             return Ok(known);
         }
-        let offers = self.offers(&None).await?;
+        // Boxed, as connecting is: asked once, carried by every call's future otherwise.
+        let offers = Box::pin(self.offers(&None)).await?;
         self.known.learn(offers);
         Ok(offers)
     }

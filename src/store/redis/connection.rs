@@ -95,6 +95,11 @@ impl Cluster {
         cell.get_or_try_init(connect).await.cloned()
     }
 
+    /// The cluster's connection, if it is made.
+    pub(super) fn connected(&self) -> Option<ClusterConnection> {
+        lock(&self.connection).get().cloned()
+    }
+
     /// Notes a call that failed for want of the cluster (a connection, a node, a slot: not an
     /// error the server answered), and replaces the connection when they have kept failing
     /// for [`REBUILD_AFTER`]: the next call connects afresh from the seeds.

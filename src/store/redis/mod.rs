@@ -273,6 +273,20 @@ impl RedisStore {
 
     /// A connection: the one server's manager, or the cluster's connection (made on first use).
     async fn connection(&self) -> Result<Connection, RedisError> {
+        let connected = match &self.backend {
+            Backend::Server { manager, .. } => manager.get().cloned().map(Connection::Server),
+            Backend::Cluster(cluster) => cluster.connected().map(Connection::Cluster),
+        };
+        match connected {
+            Some(connection) => Ok(connection),
+            // Boxed: connecting is kilobytes of state that every call's future would carry
+            // (and copy) otherwise, for a first use.
+            None => Box::pin(self.connect()).await,
+        }
+    }
+
+    /// Connects (see [`connection`](Self::connection)).
+    async fn connect(&self) -> Result<Connection, RedisError> {
         match &self.backend {
             Backend::Server { client, manager } => {
                 let manager = manager
@@ -580,9 +594,13 @@ async fn evaluate<T: FromRedisValue>(
     eval: &Cmd,
 ) -> Result<T, RedisError> {
     match eval.query_async(connection).await {
+        // Boxed: a server that lost its scripts is rare, and every call would carry this.
         Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            script.load_async(connection).await?;
-            eval.query_async(connection).await
+            Box::pin(async {
+                script.load_async(connection).await?;
+                eval.query_async(connection).await
+            })
+            .await
         }
         reply => reply,
     }
