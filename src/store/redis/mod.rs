@@ -52,14 +52,14 @@ use crate::response::StoredResponse;
 /// [module's rules](crate::store)). The three cost the server less than the script, and less
 /// than the same three in a transaction (see `BENCHMARKS.md`). The record is named by this
 /// machine's clock (its fence field, which completion and release compare; the operator's
-/// views read a record's age from it). A claim asked again by its owner, which finds its
-/// record with less than a lease left, is sent again in a transaction (`MULTI`), and granted
-/// with the server's clock of a moment the record was still its own, a later fence than its
-/// first answer's; claim.lua grants it so too, whichever way the record was written. A store [with tombstones](Self::with_tombstones) claims with claim.lua,
-/// which reads the tombstone in the same call, and so does a server without `SET … NX GET`.
-/// On a cluster, a claim whose key's slot is moving between masters runs claim.lua (the client
-/// follows a redirection for one command, not for a pipeline), and one node's answer says what
-/// every node has.
+/// views read a record's age from it). A claim asked again by its owner (whose record may have
+/// little of its lease left) is sent again in a transaction (`MULTI`), and granted with the
+/// server's clock of a moment the record was still its own, a later fence than its first
+/// answer's; claim.lua grants it so too, whichever way the record was written. A store
+/// [with tombstones](Self::with_tombstones) claims with claim.lua, which reads the tombstone in
+/// the same call, and so does a server without `SET … NX GET`. On a cluster, a claim whose
+/// key's slot is moving between masters runs claim.lua (the client follows a redirection for
+/// one command, not for a pipeline), and one node's answer says what every node has.
 ///
 /// On a server with `SET … IFEQ` (Valkey 8.1 and newer, Redis 8.4 and newer) completion and
 /// renewal are not scripts but one `SET` conditional on the whole in-flight record the claim
