@@ -35,10 +35,11 @@ local function server_clock()
 end
 local record = redis.call('GET', KEYS[1])
 if record then
+  local pttl = redis.call('PTTL', KEYS[1])
   if string.sub(record, 1, #ARGV[1]) == ARGV[1] then
-    return {1, record, redis.call('PTTL', KEYS[1]), server_clock()}
+    return {1, record, pttl, server_clock()}
   end
-  return {1, record, redis.call('PTTL', KEYS[1])}
+  return {1, record, pttl}
 end
 local clock = server_clock()
 if KEYS[2] then

@@ -210,7 +210,7 @@ impl RedisStore {
         let record = record::in_flight(request.fingerprint(), request.owner(), name)
             .ok_or_else(|| corrupt(format!("this machine's clock reads {name} µs")))?;
         let mut claim = self.claim_pipeline(request, record);
-        loop {
+        let (outcome, time) = loop {
             let Some((held, left, time)) = self.send_claim(&claim).await? else {
                 return Ok(None);
             };
@@ -221,27 +221,29 @@ impl RedisStore {
                     super::read_record(held, request, left).map_err(corrupt)?
                 }
             };
-            return Ok(Some(match outcome {
-                // Asked again by its owner: again, in a transaction.
-                ClaimOutcome::Acquired { .. } if held.is_some() && !claim.is_transaction() => {
-                    claim.atomic();
-                    continue;
+            // Asked again by its owner: again, in a transaction.
+            let asked_again = held.is_some() && matches!(outcome, ClaimOutcome::Acquired { .. });
+            if asked_again && !claim.is_transaction() {
+                claim.atomic();
+                continue;
+            }
+            break (outcome, time);
+        };
+        Ok(Some(match outcome {
+            // The record this claim (or its owner's first) wrote is named by its fence; the
+            // claim's fence is the server's clock.
+            ClaimOutcome::Acquired { fence: written } => {
+                request.note_written(written);
+                let fence = super::admin::micros(time);
+                ClaimOutcome::Acquired {
+                    fence: u64::try_from(fence).unwrap_or(u64::MAX),
                 }
-                // The record this claim (or its owner's first) wrote is named by its fence;
-                // the claim's fence is the server's clock.
-                ClaimOutcome::Acquired { fence: written } => {
-                    request.note_written(written);
-                    let fence = super::admin::micros(time);
-                    ClaimOutcome::Acquired {
-                        fence: u64::try_from(fence).unwrap_or(u64::MAX),
-                    }
-                }
-                ClaimOutcome::InFlight { retry_after } => ClaimOutcome::InFlight {
-                    retry_after: retry_after.min(request.lease()),
-                },
-                other => other,
-            }));
-        }
+            }
+            ClaimOutcome::InFlight { retry_after } => ClaimOutcome::InFlight {
+                retry_after: retry_after.min(request.lease()),
+            },
+            other => other,
+        }))
     }
 
     /// Sends the claim of [`claim_by_command`](Self::claim_by_command): with the record there,
