@@ -2,7 +2,7 @@
 //! and whole requests through an axum route without the layer, with it (fresh keys and
 //! replays, on the memory store; fresh keys again behind the replay cache and with a Prometheus
 //! recorder), and with a 64 KiB
-//! body next to the SHA-256 of 64 KiB.
+//! body next to the SHA-256 of 64 KiB; then fresh keys sent by two workers at once.
 //!
 //! ```sh
 //! cargo bench --bench cpu
@@ -159,5 +159,47 @@ fn prometheus() -> metrics_exporter_prometheus::PrometheusRecorder {
     builder.build_recorder()
 }
 
-criterion_group!(benches, keys, fingerprints, codec, requests);
+/// Fresh keys sent by two workers at once, each its own stream of requests (what the load bench
+/// serves, without the network): the time per request includes what the workers make each
+/// other wait for, such as cache lines both write.
+fn two_workers(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let body = Bytes::from(vec![b'x'; 1024]);
+    let layered = app(Some(IdempotencyLayer::new(
+        MemoryStore::new().with_max_entries(100_000),
+    )));
+    let batches = AtomicU64::new(0);
+    let mut group = c.benchmark_group("two workers");
+    for (name, app) in [("no layer", app(None)), ("fresh key", layered)] {
+        group.bench_function(name, |b| {
+            b.iter_custom(|requests| {
+                let batch = batches.fetch_add(1, Relaxed);
+                let started = std::time::Instant::now();
+                runtime.block_on(async {
+                    let workers: Vec<_> = (0..2)
+                        .map(|worker| {
+                            let (app, body) = (app.clone(), body.clone());
+                            tokio::spawn(async move {
+                                for i in (worker..requests).step_by(2) {
+                                    send(&app, format!("fresh-{batch}-{i}"), &body).await;
+                                }
+                            })
+                        })
+                        .collect();
+                    for worker in workers {
+                        worker.await.unwrap();
+                    }
+                });
+                started.elapsed()
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, keys, fingerprints, codec, requests, two_workers);
 criterion_main!(benches);
