@@ -115,6 +115,7 @@ mod grpc;
 pub mod headers;
 pub mod telemetry;
 mod outcome;
+mod stripes;
 
 pub use self::{
     claim::IdempotencyClaim,

@@ -15,11 +15,9 @@ mod settle;
 mod units;
 
 use std::{
+    cell::Cell,
     ops::ControlFlow,
-    sync::{
-        Arc, LazyLock,
-        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
-    },
+    sync::{Arc, atomic::AtomicBool},
     time::Duration,
 };
 
@@ -51,6 +49,7 @@ use crate::{
     response::StoredResponse,
     settings::Settings,
     store::{BoxError, ClaimOutcome, ClaimRequest, Lease, RecordKey, Store},
+    stripes::Padded,
     telemetry::Telemetry,
 };
 
@@ -62,7 +61,11 @@ pub(crate) type Caller<B, E> = oneshot::Sender<Reply<B, E>>;
 
 /// What the services of one layer share: its settings, where they record what they do, and
 /// what they learn at run time.
+///
+/// Aligned to a pair of cache lines, so that the count of the `Arc` every request clones is
+/// not on a line with the settings every request reads (see `crate::stripes`).
 #[derive(Debug)]
+#[repr(align(128))]
 pub(crate) struct Engine {
     pub(crate) settings: Settings,
     pub(crate) telemetry: Telemetry,
@@ -74,8 +77,9 @@ pub(crate) struct Engine {
 pub(crate) struct State {
     /// Requests waiting for a duplicate of theirs to finish.
     waiters: Waiters,
-    /// The leases this layer's requests hold, and the task that renews them.
-    leases: Leases,
+    /// The leases this layer's requests hold, and the task that renews them: locked by every
+    /// request, so on cache lines of its own.
+    leases: Padded<Leases>,
     /// Recent handler durations, for `Retry-After` hints.
     durations: Durations,
     /// Whether the warning about a timeout layer inside this one was logged.
@@ -186,11 +190,11 @@ struct Attempt<'a> {
 }
 
 /// A request admitted to run its handler.
-struct Admitted<ResBody, E> {
+struct Admitted<'a, ResBody, E> {
     claim: ClaimRequest,
     lease: Lease,
     /// Renews the lease until the key is finalized.
-    keeper: Keeper,
+    keeper: Keeper<'a>,
     body: Bytes,
     reply: Caller<ResBody, E>,
 }
@@ -198,14 +202,14 @@ struct Admitted<ResBody, E> {
 /// Reads the body and claims the key: the claim and its held lease, the body to run the
 /// handler with and the caller to answer, or `None` once the caller has been answered instead
 /// (or has gone).
-async fn admit<B, ResBody, E>(
-    engine: &Arc<Engine>,
+async fn admit<'a, B, ResBody, E>(
+    engine: &'a Arc<Engine>,
     record: Arc<RecordKey>,
     parts: &Parts,
     body: B,
     wire: Wire,
     mut reply: Caller<ResBody, E>,
-) -> Option<Admitted<ResBody, E>>
+) -> Option<Admitted<'a, ResBody, E>>
 where
     B: Body,
     B::Error: Into<BoxError>,
@@ -257,12 +261,12 @@ where
 /// Claims the key until this process holds a grant: the claim (its owner renewed when a grant
 /// came too late to act on) with its lease and keeper, or the answer that replaces running the
 /// handler (`None`: the caller left). `(headers, wait, wire)`: see [`Claiming`].
-async fn claim_and_hold<B, E>(
-    engine: &Arc<Engine>,
+async fn claim_and_hold<'a, B, E>(
+    engine: &'a Arc<Engine>,
     mut claim: ClaimRequest,
     (headers, wait, wire): (&HeaderMap, Duration, Wire),
     reply: &mut Caller<B, E>,
-) -> Result<(ClaimRequest, Lease, Keeper), Option<Response<ResponseBody<B>>>> {
+) -> Result<(ClaimRequest, Lease, Keeper<'a>), Option<Response<ResponseBody<B>>>> {
     let mut lapses = 0;
     loop {
         let claiming = Claiming {
@@ -291,9 +295,9 @@ async fn claim_and_hold<B, E>(
 const LAPSES: u32 = 3;
 
 /// What became of a grant.
-enum Kept {
+enum Kept<'a> {
     /// The lease, and its keeper renewing it: the work may start.
-    Held(Lease, Keeper),
+    Held(Lease, Keeper<'a>),
     /// The grant came too late to act on: claim again, as `claim` (now of a new owner).
     Again,
     /// The store could not confirm the lease, or grants kept lapsing: the work must not run.
@@ -305,14 +309,14 @@ enum Kept {
 /// runtime was blocked when the answer came) while another owner took the key is given up, and
 /// `claim` made anew for a new owner: claimed again, its outcome is whatever the key's is (a
 /// replay, a wait for the owner that took it over). `lapses` counts those in a row.
-async fn hold_grant(
-    engine: &Arc<Engine>,
+async fn hold_grant<'a>(
+    engine: &'a Arc<Engine>,
     claim: &mut ClaimRequest,
     grant: Grant,
     lapses: &mut u32,
-) -> Kept {
+) -> Kept<'a> {
     let lease = claim.lease_with_fence(grant.fence);
-    let keeper = Keeper::start(Arc::clone(engine), lease.clone(), grant.sent);
+    let keeper = Keeper::start(engine, lease.clone(), grant.sent);
     match keeper.standing().await {
         Standing::Live => {
             engine.telemetry.executing();
@@ -387,7 +391,7 @@ async fn settle<B, E>(
     engine: &Engine,
     attempt: Attempt<'_>,
     handled: Handled<B, E>,
-    keeper: Keeper,
+    keeper: Keeper<'_>,
 ) {
     let Outcome {
         response,
@@ -492,14 +496,20 @@ pub(crate) async fn claim_committed(
 
 impl Engine {
     /// A fresh owner token, unique across the fleet without a system call per request: 64
-    /// random bits drawn once per process, and a counter; or, for a layer with a seed, the seed
-    /// and a counter of the layer's own.
+    /// random bits each thread draws once, and a counter of the thread's own (one the threads
+    /// shared would move between the workers' caches on every request); or, for a layer with
+    /// a seed, the seed and a counter of the layer's own.
     pub(crate) fn owner_token(&self) -> Uuid {
-        static PROCESS: LazyLock<u64> = LazyLock::new(|| Uuid::new_v4().as_u64_pair().0);
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        thread_local! {
+            static TOKENS: Cell<(u64, u64)> = Cell::new((Uuid::new_v4().as_u64_pair().0, 0));
+        }
         match &self.settings.seed {
             Some(seed) => seed.token(),
-            None => Uuid::from_u64_pair(*PROCESS, COUNTER.fetch_add(1, Relaxed)),
+            None => TOKENS.with(|tokens| {
+                let (thread, count) = tokens.get();
+                tokens.set((thread, count + 1));
+                Uuid::from_u64_pair(thread, count)
+            }),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Holding a claimed key: renewing its lease from a task of its own, and finalizing it.
 
 use std::{
-    sync::{Arc, LazyLock, Mutex, PoisonError, atomic::Ordering::Relaxed},
+    sync::{Arc, LazyLock, Mutex, PoisonError},
     time::Duration,
 };
 
@@ -41,6 +41,8 @@ struct LeasesState {
     held: Vec<Option<Held>>,
     free: Vec<usize>,
     keeper: Option<JoinHandle<()>>,
+    /// The generation the next lease gets.
+    generations: u64,
 }
 
 #[derive(Debug)]
@@ -81,9 +83,10 @@ pub(crate) enum Standing {
     Unconfirmed,
 }
 
-/// A lease held for a request, renewed until this is dropped.
-pub(crate) struct Keeper {
-    engine: Arc<Engine>,
+/// A lease held for a request, renewed until this is dropped. It borrows the engine its
+/// request runs on: a clone of the `Arc` would write the count every request shares.
+pub(crate) struct Keeper<'a> {
+    engine: &'a Arc<Engine>,
     slot: usize,
     /// Tells this request's lease from the slot's later holders.
     generation: u64,
@@ -91,13 +94,11 @@ pub(crate) struct Keeper {
     seen_in_time: bool,
 }
 
-static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-impl Keeper {
+impl<'a> Keeper<'a> {
     /// Starts renewing `lease`, granted by a claim sent at `sent`, every third of the layer's
     /// lease length. A grant this process saw late (its runtime was busy or blocked when the
     /// answer came) is renewed at once, from the renewal thread.
-    pub(crate) fn start(engine: Arc<Engine>, lease: Lease, sent: Instant) -> Self {
+    pub(crate) fn start(engine: &'a Arc<Engine>, lease: Lease, sent: Instant) -> Self {
         let length = engine.settings.lease;
         let overdue = sent.elapsed() >= period(length);
         // The defect this check fixed, put back on purpose for the simulation to find
@@ -105,21 +106,22 @@ impl Keeper {
         #[cfg(simulate_defect_lapsed_grants)]
         let overdue = overdue && false;
         let due = sent + period(length);
-        let generation = GENERATION.fetch_add(1, Relaxed);
-        let held = Held {
-            lease: lease.clone(),
-            length,
-            due: (!overdue).then_some(due),
-            renewed: false,
-            // Seen in time, the work starts at once.
-            started: !overdue,
-            lost: false,
-            finalizing: false,
-            reported: false,
-            generation,
-        };
-        let slot = {
+        let (slot, generation) = {
             let mut state = engine.state.leases.lock();
+            let generation = state.generations;
+            state.generations += 1;
+            let held = Held {
+                lease: lease.clone(),
+                length,
+                due: (!overdue).then_some(due),
+                renewed: false,
+                // Seen in time, the work starts at once.
+                started: !overdue,
+                lost: false,
+                finalizing: false,
+                reported: false,
+                generation,
+            };
             let slot = match state.free.pop() {
                 Some(slot) => {
                     state.held[slot] = Some(held);
@@ -132,12 +134,12 @@ impl Keeper {
             };
             let running = state.keeper.as_ref().is_some_and(|k| !k.is_finished());
             if !running {
-                state.keeper = Some(engine.spawn_renewal(keep(Arc::clone(&engine))));
+                state.keeper = Some(engine.spawn_renewal(keep(Arc::clone(engine))));
             }
-            slot
+            (slot, generation)
         };
         if overdue {
-            let renewal = renew(Arc::clone(&engine), slot, generation, lease, length);
+            let renewal = renew(Arc::clone(engine), slot, generation, lease, length);
             engine.spawn_renewal(renewal);
         }
         crate::telemetry::claims_held(1.0);
@@ -206,7 +208,7 @@ impl Keeper {
     /// did (one loss, whichever found it first).
     fn finalize_lost(&self) {
         let what = "before finalizing: nothing stored (another attempt holds the key)";
-        mark_lost(&self.engine, self.slot, self.generation, Some(what));
+        mark_lost(self.engine, self.slot, self.generation, Some(what));
     }
 
     /// Whether a renewal found the key in another owner's hands.
@@ -217,7 +219,7 @@ impl Keeper {
     }
 }
 
-impl Drop for Keeper {
+impl Drop for Keeper<'_> {
     fn drop(&mut self) {
         crate::telemetry::claims_held(-1.0);
         let mut state = self.engine.state.leases.lock();
@@ -453,7 +455,7 @@ pub(crate) struct Finalizing<'a> {
     pub(crate) response: &'a StoredResponse,
     pub(crate) completion: Completion,
     /// Holds the key (its lease renewed) while the finalize goes on.
-    pub(crate) keeper: &'a Keeper,
+    pub(crate) keeper: &'a Keeper<'a>,
 }
 
 /// Completes or releases the key, owner-checked; a committed key is completed whatever the

@@ -127,11 +127,11 @@ where
 
 /// Claims the key (again, by a new owner, if a grant came too late to act on) until a lease
 /// is held for the work to start under, or says what the delivery gets instead.
-async fn held<E>(
-    engine: &Arc<Engine>,
+async fn held<'a, E>(
+    engine: &'a Arc<Engine>,
     claim: &mut ClaimRequest,
     wait: Duration,
-) -> Result<(Lease, Keeper), Delivered<E>> {
+) -> Result<(Lease, Keeper<'a>), Delivered<E>> {
     let mut lapses = 0;
     loop {
         let grant = claimed(engine, claim, wait).await?;
@@ -174,7 +174,7 @@ async fn settle(
     lease: &Lease,
     stored: &StoredResponse,
     completion: Completion,
-    keeper: Keeper,
+    keeper: Keeper<'_>,
 ) -> Finalized {
     let finalizing = Finalizing {
         lease,

@@ -12,7 +12,10 @@ use std::{
 
 use tokio::sync::Notify;
 
-use crate::store::RecordKey;
+use crate::{
+    store::RecordKey,
+    stripes::{self, Padded, STRIPES},
+};
 
 /// The keys this process's requests are waiting on, each with a notification their owner (on
 /// this process) fires once it has finalized the key. Requests waiting on an owner elsewhere in
@@ -117,36 +120,34 @@ impl Backoff {
 }
 
 /// The last handler durations this layer saw, for a `Retry-After` that says when the answer is
-/// likely ready rather than when the lease would run out.
-#[derive(Debug)]
+/// likely ready rather than when the lease would run out: the last [`SAMPLES`] each thread
+/// recorded, in its own stripe (every request records one; see `crate::stripes`).
+#[derive(Debug, Default)]
 pub(crate) struct Durations {
+    stripes: [Padded<Samples>; STRIPES],
+}
+
+/// One thread's last durations, in milliseconds, in a ring; zero marks an empty slot.
+#[derive(Debug, Default)]
+struct Samples {
     millis: [AtomicU64; SAMPLES],
     next: AtomicUsize,
 }
 
-const SAMPLES: usize = 64;
-
-impl Default for Durations {
-    fn default() -> Self {
-        Self {
-            millis: std::array::from_fn(|_| AtomicU64::new(0)),
-            next: AtomicUsize::new(0),
-        }
-    }
-}
+const SAMPLES: usize = 16;
 
 impl Durations {
     pub(crate) fn record(&self, took: Duration) {
-        let slot = self.next.fetch_add(1, Relaxed) % SAMPLES;
-        // Zero marks an empty slot: a sub-millisecond run counts as one.
-        self.millis[slot].store((took.as_millis() as u64).max(1), Relaxed);
+        let samples = &self.stripes[stripes::mine()];
+        let slot = samples.next.fetch_add(1, Relaxed) % SAMPLES;
+        // A sub-millisecond run counts as one.
+        samples.millis[slot].store((took.as_millis() as u64).max(1), Relaxed);
     }
 
     /// The 90th percentile of the recent durations, if any were seen.
     pub(crate) fn typical(&self) -> Option<Duration> {
-        let mut seen: Vec<u64> = self
-            .millis
-            .iter()
+        let mut seen: Vec<u64> = (self.stripes.iter())
+            .flat_map(|samples| &samples.millis)
             .map(|slot| slot.load(Relaxed))
             .filter(|&ms| ms > 0)
             .collect();

@@ -83,14 +83,25 @@ pub(crate) use self::{
     pseudonym::{Pseudonym, ShownRecord},
     registration::*,
 };
-use crate::IdempotencyOutcome;
+use crate::{
+    IdempotencyOutcome,
+    stripes::{self, Padded, STRIPES},
+};
 
 macro_rules! counters {
     ($($(#[$doc:meta])* $name:ident,)*) => {
         /// Live counters shared by every service a layer built; read them with
         /// [`snapshot`](Counters::snapshot). Get them from [`IdempotencyLayer::counters`](crate::IdempotencyLayer::counters).
-        #[derive(Debug, Default)]
+        #[derive(Default)]
         pub struct Counters {
+            /// Each thread counts in its own stripe (see `crate::stripes`): a count every
+            /// request makes would otherwise move one cache line between the workers.
+            stripes: [Padded<Cells>; STRIPES],
+        }
+
+        /// One stripe of the counters.
+        #[derive(Debug, Default)]
+        pub(crate) struct Cells {
             $(pub(crate) $name: AtomicU64,)*
         }
 
@@ -104,14 +115,29 @@ macro_rules! counters {
         impl Counters {
             /// Reads every counter.
             pub fn snapshot(&self) -> CountersSnapshot {
-                CountersSnapshot { $($name: self.$name.load(Relaxed),)* }
+                let mut snapshot = CountersSnapshot::default();
+                for cells in &self.stripes {
+                    $(snapshot.$name += cells.$name.load(Relaxed);)*
+                }
+                snapshot
             }
 
-            fn add(&self, pick: impl FnOnce(&Self) -> &AtomicU64) {
-                pick(self).fetch_add(1, Relaxed);
+            /// The calling thread's stripe.
+            fn mine(&self) -> &Cells {
+                &self.stripes[stripes::mine()]
+            }
+
+            fn add(&self, pick: impl FnOnce(&Cells) -> &AtomicU64) {
+                pick(self.mine()).fetch_add(1, Relaxed);
             }
         }
     };
+}
+
+impl std::fmt::Debug for Counters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Counters").field(&self.snapshot()).finish()
+    }
 }
 
 counters! {
@@ -210,7 +236,7 @@ impl Telemetry {
         use IdempotencyOutcome as O;
         #[cfg(feature = "metrics")]
         facade::counter(self.keys.request(outcome)).increment(1);
-        let c = &self.counters;
+        let c = self.counters.mine();
         let counter = match outcome {
             O::Executed => return,
             O::Replayed | O::ResponseNotStored | O::AnswerExpired => &c.replays,
@@ -230,7 +256,7 @@ impl Telemetry {
         use UnitOutcome as O;
         #[cfg(feature = "metrics")]
         facade::counter(self.keys.unit(outcome)).increment(1);
-        let c = &self.counters;
+        let c = self.counters.mine();
         let counter = match outcome {
             O::Executed | O::Superseded => return,
             O::Replayed | O::AnswerExpired => &c.replays,
