@@ -470,7 +470,7 @@ impl IdempotencyLayer {
     }
 
     /// Makes the layer's randomness a function of `seed`: its owner tokens (the seed and a
-    /// counter of the layer's own, instead of random bits drawn once per process) and so the
+    /// counter of the layer's own, instead of random bits each thread draws once) and so the
     /// jitter of its duplicates' polls. For a test or a simulation that must replay exactly
     /// from a seed. Owner tokens must be unique across every process sharing a store: give
     /// each instance a seed of its own, and never set one in production.
