@@ -1,4 +1,4 @@
-//! Leases: a live handler keeps its key, a stalled owner loses it and changes nothing, and a loss is counted once and only when it happened.
+//! Leases: a live handler keeps its key, a stalled owner loses it and changes nothing, a loss is counted once and only when it happened, and the task that renews them starts again after it went idle or its runtime shut down.
 
 use super::*;
 
@@ -118,4 +118,81 @@ async fn a_renewal_that_meets_its_owners_own_completion_is_no_loss() {
     assert_eq!(probe.runs(), 1);
     let seen = layer.counters().snapshot();
     assert_eq!(seen.leases_lost, 0, "{seen:?}");
+}
+
+/// Sends a request with `key`, and waits until its handler has started (and is held at the
+/// probe's gate).
+async fn started(app: &Router, probe: &Probe, key: &str) -> tokio::task::JoinHandle<Answer> {
+    let first = tokio::spawn({
+        let (app, key) = (app.clone(), key.to_owned());
+        async move { send(&app, post_payment(&key, "{}")).await }
+    });
+    probe.started.notified().await;
+    first
+}
+
+/// Runs a slow request with `key` (its handler held at the probe's gate) and checks that its
+/// lease is kept past three lease lengths: a duplicate sent then still gets 409.
+async fn a_slow_request_keeps_its_key(app: &Router, probe: &Arc<Probe>, key: &str) {
+    let first = started(app, probe, key).await;
+    let runs = probe.runs();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // A duplicate that found the key free would run, and wait at the gate.
+    let duplicate = send(app, post_payment(key, "{}"));
+    let duplicate = tokio::time::timeout(Duration::from_secs(2), duplicate).await;
+    let status = duplicate.map(|answer| answer.status).ok();
+    assert_eq!(status, Some(StatusCode::CONFLICT), "{key} was free again");
+    probe.release_gate();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(probe.runs(), runs, "{key} ran again");
+}
+
+/// The task that renews a layer's leases goes away after a lease with none to renew; the next
+/// lease starts another.
+#[tokio::test]
+async fn a_lease_taken_after_the_renewals_went_idle_is_kept() {
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_lease(Duration::from_millis(300))
+        .with_wait(Duration::ZERO);
+    let quick = send(&app(&layer, &Probe::open()), post_payment("k-first", "{}")).await;
+    assert_eq!(quick.status, StatusCode::CREATED);
+    // Nothing held for more than three leases: the renewing task has ended.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let probe = Probe::gated();
+    a_slow_request_keeps_its_key(&app(&layer, &probe), &probe, "k-later").await;
+    assert_eq!(layer.counters().snapshot().leases_lost, 0);
+}
+
+/// Renewals through a spawner whose runtime shut down: the renewing task went with it, and the
+/// next lease starts another on the runtime the spawner now spawns on.
+#[cfg(feature = "simulation")]
+#[tokio::test]
+async fn renewals_start_again_after_their_runtime_shut_down() {
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let renewals = Arc::new(std::sync::Mutex::new(Some(runtime())));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_lease(Duration::from_millis(300))
+        .with_wait(Duration::ZERO)
+        .with_spawner({
+            let renewals = Arc::clone(&renewals);
+            move |task| renewals.lock().unwrap().as_ref().unwrap().spawn(task)
+        });
+    let probe = Probe::gated();
+    let app = app(&layer, &probe);
+    // A lease starts the renewing task on the first runtime, which then shuts down.
+    let abandoned = started(&app, &probe, "k-abandoned").await;
+    let first = renewals.lock().unwrap().replace(runtime()).unwrap();
+    tokio::task::spawn_blocking(move || first.shutdown_timeout(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    a_slow_request_keeps_its_key(&app, &probe, "k-kept").await;
+    abandoned.await.unwrap();
+    let last = renewals.lock().unwrap().take().unwrap();
+    last.shutdown_background();
 }
