@@ -34,7 +34,7 @@ const LAYER_BUDGET: u64 = 25;
 /// The Redis store's allocations per claim and completion of a fresh key, the claim a pipeline
 /// (Redis 7 and newer) and the completion complete.lua (Redis) ...
 const REDIS_BUDGET: u64 = 29;
-/// ... or a `SET … IFEQ` (Valkey 8.1 and newer), whose reply the store reads on its own.
+/// ... or a `SET … IFEQ` (Valkey 8.1 and newer), which counts one more.
 const REDIS_IFEQ_BUDGET: u64 = 30;
 
 struct Counting;
