@@ -24,23 +24,20 @@
 //! - `redis`: a claim and a completion of a fresh key through `RedisStore` (the fingerprint made
 //!   once, a 200-byte answer), on `REDIS_URL` (default `redis://127.0.0.1:6379/`).
 
-use std::time::Duration;
-
-use axum::{Router, http::StatusCode};
+use axum::Router;
 use bytes::Bytes;
-use http::HeaderMap;
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, MemoryStore,
-    store::{
-        CachedStore, ClaimOutcome, ClaimRequest, Fingerprint, RecordKey, RedisStore, Store,
-        StoredResponse,
-    },
+    IdempotencyLayer, MemoryStore,
+    store::{CachedStore, RedisStore},
 };
 use uuid::Uuid;
 
+#[path = "common/fresh_key.rs"]
+mod fresh_key;
 #[path = "common/route.rs"]
 mod route;
 
+use fresh_key::FreshKeys;
 use route::{ANSWER, app, send};
 
 fn main() {
@@ -111,18 +108,8 @@ async fn store(url: &str, run: &str, n: u64) {
     let store = RedisStore::open(url)
         .unwrap()
         .with_prefix(format!("counts:{run}:"));
-    let answer = Some(Bytes::from_static(ANSWER.as_bytes()));
-    let response = StoredResponse::new(StatusCode::CREATED, HeaderMap::new(), answer, None);
-    let fingerprint = Fingerprint::of_payload(b"{}");
-    let (lease, retention) = (Duration::from_secs(30), Duration::from_secs(86_400));
+    let fresh = FreshKeys::new();
     for i in 0..n {
-        let key = IdempotencyKey::try_from(format!("fresh-{i}").as_str()).unwrap();
-        let record = RecordKey::new("anonymous", key);
-        let claim = ClaimRequest::new(record, fingerprint, Uuid::new_v4(), lease);
-        let ClaimOutcome::Acquired { fence } = store.claim(&claim).await.unwrap() else {
-            panic!("fresh-{i} was not fresh");
-        };
-        let lease = claim.lease_with_fence(fence);
-        store.complete(&lease, &response, retention).await.unwrap();
+        fresh.claim_and_complete(&store, &fresh.claim(i)).await;
     }
 }

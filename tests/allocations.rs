@@ -7,6 +7,8 @@
 //! Counted on the test's own thread (each test runs its requests on a current-thread runtime):
 //! other tests' threads allocate meanwhile.
 
+#[path = "../benches/common/fresh_key.rs"]
+mod fresh_key;
 #[path = "../benches/common/route.rs"]
 mod route;
 
@@ -14,19 +16,12 @@ use std::{
     alloc::{GlobalAlloc, Layout, System},
     cell::Cell,
     future::Future,
-    time::Duration,
 };
 
-use axum::http::StatusCode;
 use bytes::Bytes;
-use http::HeaderMap;
-use route::{ANSWER, app, send};
-use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, MemoryStore,
-    store::{
-        ClaimOutcome, ClaimRequest, Fingerprint, RecordKey, RedisStore, Store, StoredResponse,
-    },
-};
+use fresh_key::FreshKeys;
+use route::{app, send};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, store::RedisStore};
 use uuid::Uuid;
 
 /// The layer's allocations per fresh request, on the memory store, over the route's own.
@@ -140,23 +135,14 @@ fn a_fresh_key_on_redis_allocates_within_the_stores_budget() {
         let store = RedisStore::open(&url)
             .unwrap()
             .with_prefix(format!("allocations:{run}:"));
-        let answer = Some(Bytes::from_static(ANSWER.as_bytes()));
-        let response = StoredResponse::new(StatusCode::CREATED, HeaderMap::new(), answer, None);
-        let fingerprint = Fingerprint::of_payload(b"{}");
-        let (lease, retention) = (Duration::from_secs(30), Duration::from_secs(600));
+        let fresh = FreshKeys::new();
         let (n, mut counted) = (200, 0);
         // The first n warm up: the connection made, the commands' support probed.
         for i in 0..2 * n {
             // The claim is made outside the count: the layer makes it, not the store.
-            let key = IdempotencyKey::try_from(format!("fresh-{i}").as_str()).unwrap();
-            let record = RecordKey::new("anonymous", key);
-            let claim = ClaimRequest::new(record, fingerprint, Uuid::new_v4(), lease);
+            let claim = fresh.claim(i);
             let before = allocations();
-            let ClaimOutcome::Acquired { fence } = store.claim(&claim).await.unwrap() else {
-                panic!("fresh-{i} was not fresh");
-            };
-            let lease = claim.lease_with_fence(fence);
-            store.complete(&lease, &response, retention).await.unwrap();
+            fresh.claim_and_complete(&store, &claim).await;
             if i >= n {
                 counted += allocations() - before;
             }
