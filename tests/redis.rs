@@ -13,6 +13,7 @@ use std::{
 
 use axum::{Router, routing::post};
 use http::{HeaderMap, StatusCode};
+use http_body_util::BodyExt;
 use support::{RedisServer, claim_request, eventually, redis_connection, redis_url};
 use tower::ServiceExt;
 use tower_idempotency::{
@@ -503,4 +504,111 @@ async fn two_instances_on_one_redis_run_a_key_once() {
         "{answers:?}"
     );
     assert_eq!(runs.load(SeqCst), 1);
+}
+
+/// Pays on `app` with `key`: the status, whether the answer was a replay, and the body.
+async fn pay(app: Router, key: &'static str) -> (StatusCode, bool, String) {
+    let request = http::Request::post("/pay")
+        .header("idempotency-key", key)
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let response = app.oneshot(request).await.unwrap();
+    let replayed = response.headers().contains_key("idempotent-replayed");
+    let status = response.status();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, replayed, String::from_utf8(body.to_vec()).unwrap())
+}
+
+/// A claim without a script is three commands, pipelined: the `SET` that writes the record,
+/// then the `PTTL` and the `TIME` that give its time left and its fence. A server that stalls
+/// between them for longer than a lease lets a second instance take the key in between, with
+/// a fence from an earlier clock: the first instance's grant comes late, is renewed before
+/// anything runs under it, is found in the second's hands, and its request gets the second's
+/// answer. The payment runs once.
+#[tokio::test]
+async fn a_claim_stalled_inside_its_pipeline_past_a_lease_does_not_run() {
+    let server = RedisServer::start().await;
+    let holder = support::CommandHolder::start(server.port).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let prefix = format!("test:{}:", Uuid::new_v4());
+    let lease = Duration::from_millis(600);
+    let instance = |url: String, name: &'static str| {
+        let runs = Arc::clone(&runs);
+        let store = RedisStore::open(&url)
+            .unwrap()
+            .with_prefix(prefix.clone())
+            // Longer than the stall: the claim is answered, late.
+            .with_timeout(Duration::from_secs(10));
+        Router::new()
+            .route(
+                "/pay",
+                post(move || async move {
+                    runs.fetch_add(1, SeqCst);
+                    (StatusCode::CREATED, name)
+                }),
+            )
+            .layer(IdempotencyLayer::new(store).with_lease(lease))
+    };
+    let stalled = instance(holder.url(), "paid on the stalled instance");
+    let healthy = instance(server.url(), "paid on the healthy instance");
+    // The stalled instance's connection is open, and it knows what the server offers.
+    assert_eq!(pay(stalled.clone(), "k-warm").await.0, StatusCode::CREATED);
+    runs.store(0, SeqCst);
+
+    let held = holder.hold("PTTL", lease * 4);
+    let first = tokio::spawn(pay(stalled, "k-stalled"));
+    held.await;
+    // The first claim's record is written: the second instance comes once its lease is over.
+    tokio::time::sleep(lease + Duration::from_millis(200)).await;
+    let second = pay(healthy, "k-stalled").await;
+    let paid = "paid on the healthy instance".to_owned();
+    assert_eq!(second, (StatusCode::CREATED, false, paid.clone()));
+    assert!(!first.is_finished(), "the stalled claim was answered early");
+    assert_eq!(first.await.unwrap(), (StatusCode::CREATED, true, paid));
+    assert_eq!(runs.load(SeqCst), 1, "the payment ran more than once");
+}
+
+/// A claim asked again by its owner (its first answer lost) finds the owner's record, with what
+/// is left of the lease: if that runs out before the pipeline's `PTTL`, the record is gone when
+/// the grant is given. The claim is asked once more in a transaction, which writes the record
+/// afresh: the key is the owner's again for a whole lease, and nobody else's.
+#[tokio::test]
+async fn an_owner_asking_again_as_its_record_expires_holds_the_key_again() {
+    let server = RedisServer::start().await;
+    let holder = support::CommandHolder::start(server.port).await;
+    let prefix = format!("test:{}:", Uuid::new_v4());
+    let open = |url: String| {
+        RedisStore::open(&url)
+            .unwrap()
+            .with_prefix(prefix.clone())
+            .with_timeout(Duration::from_secs(10))
+    };
+    let (stalled, direct) = (open(holder.url()), open(server.url()));
+    let lease = Duration::from_secs(1);
+    let request = claim_request("k-again", lease);
+    support::acquire(&stalled, &request).await;
+
+    // Asked again with a little of the lease left, and held past it after the `SET`.
+    tokio::time::sleep(lease - Duration::from_millis(200)).await;
+    let held = holder.hold("PTTL", Duration::from_millis(800));
+    // The claim of the same request: its lease finalizes the record this claim wrote.
+    let again = tokio::spawn({
+        let stalled = stalled.clone();
+        async move { (stalled.claim(&request).await.unwrap(), request) }
+    });
+    held.await;
+    let (ClaimOutcome::Acquired { fence }, request) = again.await.unwrap() else {
+        panic!("the owner asked again was not granted");
+    };
+    let other = direct
+        .claim(&claim_request("k-again", lease))
+        .await
+        .unwrap();
+    assert!(
+        matches!(other, ClaimOutcome::InFlight { .. }),
+        "another owner got {other:?} from a key granted again"
+    );
+    let (held, response) = (request.lease_with_fence(fence), ok_response());
+    let completed = direct.complete(&held, &response, Duration::from_secs(60));
+    assert_eq!(completed.await.unwrap(), Ownership::Held);
 }
