@@ -102,6 +102,21 @@ def kinds():
     yield "complete: SET IFEQ PX", None, "g", lambda i: resp(
         "SET", "g:%d" % i, in_flight(i)[:1] + b"c" + in_flight(i)[2:] + RESPONSE,
         "IFEQ", in_flight(i), "PX", "86400000")
+    # What any script pays on a server without SET IFEQ: complete.lua's comparison and write
+    # at their plainest (the whole record compared, the whole new one sent), and no work at all.
+    cas = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
+          "redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end return 0"
+    cas_sha = hashlib.sha1(cas.encode()).hexdigest()
+    yield "complete: SET IFEQ's work in Lua (GET, compare, SET)", resp("SCRIPT", "LOAD", cas), \
+        "l", lambda i: resp("EVALSHA", cas_sha, "1", "l:%d" % i, in_flight(i),
+                            in_flight(i)[:1] + b"c" + in_flight(i)[2:] + RESPONSE, "86400000")
+    yield "complete: a plain SET, unchecked (the naive guard's)", None, "p", lambda i: resp(
+        "SET", "p:%d" % i, in_flight(i)[:1] + b"c" + in_flight(i)[2:] + RESPONSE,
+        "PX", "86400000")
+    nothing = "return 1"
+    nothing_sha = hashlib.sha1(nothing.encode()).hexdigest()
+    yield "a script that does nothing (return 1)", resp("SCRIPT", "LOAD", nothing), None, \
+        lambda i: resp("EVALSHA", nothing_sha, "1", "n:%d" % i)
     yield "release: release.lua", None, "h", lambda i: resp(
         "EVALSHA", release_sha, "1", "h:%d" % i, owner(i))
     yield "release: DELIFEQ", None, "j", lambda i: resp("DELIFEQ", "j:%d" % i, in_flight(i))
