@@ -119,8 +119,9 @@ async fn script_flush_between_calls_changes_nothing() {
 /// Completion and renewal are one `SET … IFEQ` on servers that have it (Valkey 8.1 and 9.1,
 /// Redis 8.4), release one `DELIFEQ` (Valkey 9.1), the scripts on servers that refuse them
 /// (Redis 7.0 and 8.2): the server's own command counts say which ran, and the answers are the
-/// same either way. The store asks the server once what it has, and never tries a command it
-/// does not.
+/// same either way. A command that finds another record than its lease's leaves the answer to
+/// the script. The store asks the server once what it has, and never tries a command it does
+/// not.
 #[tokio::test]
 async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_where_not() {
     let server = RedisServer::start().await;
@@ -190,10 +191,12 @@ async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_wher
     assert_eq!(count("pttl").await, 6, "claims made by command");
     assert_eq!(count("exec").await, 0, "claims in a transaction");
     match (server.has_set_ifeq().await, server.has_delifeq().await) {
-        // Renewals and completions are one SET each, releases one DELIFEQ each.
-        (true, true) => assert_eq!(counts, (0, 6 + 6, 5, 0)),
+        // Renewals and completions are one SET each, releases one DELIFEQ each; the 2 of them
+        // on the completed key and the 3 releases that lost (a command found another record,
+        // or none) run their script after it, which says so.
+        (true, true) => assert_eq!(counts, (2 + 3, 6 + 6, 5, 0)),
         // Releases run release.lua.
-        (true, false) => assert_eq!(counts, (5, 6 + 6, 0, 2)),
+        (true, false) => assert_eq!(counts, (2 + 5, 6 + 6, 0, 2)),
         // Every finalize runs a script.
         (false, false) => assert_eq!(counts, (6 + 5, 6 + 2, 0, 2)),
         (false, true) => panic!("a server with DELIFEQ and without SET … IFEQ"),
@@ -571,7 +574,8 @@ async fn a_claim_stalled_inside_its_pipeline_past_a_lease_does_not_run() {
 /// A claim asked again by its owner (its first answer lost) finds the owner's record, with what
 /// is left of the lease: if that runs out before the pipeline's `PTTL`, the record is gone when
 /// the grant is given. The claim is asked once more in a transaction, which writes the record
-/// afresh: the key is the owner's again for a whole lease, and nobody else's.
+/// afresh: the key is the owner's again for a whole lease, and nobody else's, and every lease of
+/// the owner's holds it, also one that names the first record.
 #[tokio::test]
 async fn an_owner_asking_again_as_its_record_expires_holds_the_key_again() {
     let server = RedisServer::start().await;
@@ -588,10 +592,12 @@ async fn an_owner_asking_again_as_its_record_expires_holds_the_key_again() {
     let request = claim_request("k-again", lease);
     support::acquire(&stalled, &request).await;
 
+    // A lease made from the request as it was after the first grant: it names the first record.
+    let first = request.clone();
+
     // Asked again with a little of the lease left, and held past it after the `SET`.
     tokio::time::sleep(lease - Duration::from_millis(200)).await;
     let held = holder.hold("PTTL", Duration::from_millis(800));
-    // The claim of the same request: its lease finalizes the record this claim wrote.
     let again = tokio::spawn({
         let stalled = stalled.clone();
         async move { (stalled.claim(&request).await.unwrap(), request) }
@@ -607,6 +613,15 @@ async fn an_owner_asking_again_as_its_record_expires_holds_the_key_again() {
     assert!(
         matches!(other, ClaimOutcome::InFlight { .. }),
         "another owner got {other:?} from a key granted again"
+    );
+    // The owner's leases hold the record written again, whichever record they name, on every
+    // server: a lease naming the first is renewed (the script decides where `SET … IFEQ` finds
+    // another record), the one naming the second completes it.
+    let renewed = direct.renew(&first.lease_with_fence(fence), lease).await;
+    assert_eq!(
+        renewed.unwrap(),
+        Ownership::Held,
+        "the first record's lease"
     );
     let (held, response) = (request.lease_with_fence(fence), ok_response());
     let completed = direct.complete(&held, &response, Duration::from_secs(60));

@@ -583,10 +583,6 @@ impl ClaimRequest {
     }
 
     /// The lease this claim yields once acquired with `fence`.
-    ///
-    /// Make it from the request the store granted: the Redis store notes on that request which
-    /// record it wrote, and a lease made from another clone of it may name an earlier record,
-    /// which a server that compares and sets (`SET … IFEQ`) finds gone: the lease is lost.
     pub fn lease_with_fence(&self, fence: u64) -> Lease {
         let written = self.written.load(Ordering::Relaxed);
         Lease {

@@ -3,6 +3,12 @@
 //! exact record the lease's claim wrote; `None` sends the caller to its script. What the server
 //! has is asked once ([`RedisStore::offers`], which the doctor asks too), not read from its
 //! version string.
+//!
+//! A command that finds another record there than the lease's does not settle the lease: it
+//! compares every byte, the script only the owner, and the owner's record may have been written
+//! again since this lease was made (its claim asked again by a clone of the request, after the
+//! record expired). The script decides then, as it does on a server without the command: a
+//! finalize that holds its key costs one command, one that lost it a command and a script.
 
 use std::{
     sync::atomic::{AtomicU8, Ordering},
@@ -325,7 +331,8 @@ impl RedisStore {
 
     /// Writes `next` (made from the record the lease's claim wrote) over that exact record, at
     /// `key`, for `millis`, with one `SET … IFEQ`; `None` where the caller runs its script (see
-    /// [`on_claimed_record`](Self::on_claimed_record)).
+    /// [`on_claimed_record`](Self::on_claimed_record)), and where the record there is another
+    /// (the script decides: see the module's docs).
     pub(super) async fn compare_and_set(
         &self,
         (lease, key): (&Lease, &str),
@@ -348,16 +355,17 @@ impl RedisStore {
             })
             .await?;
         reply
-            .map(|reply| match reply {
-                Value::Okay => Ok(Ownership::Held),
-                Value::Nil => Ok(Ownership::Lost),
-                other => Err(unexpected(lease, "SET … IFEQ", &other)),
+            .and_then(|reply| match reply {
+                Value::Okay => Some(Ok(Ownership::Held)),
+                Value::Nil => None,
+                other => Some(Err(unexpected(lease, "SET … IFEQ", &other))),
             })
             .transpose()
     }
 
     /// Deletes the exact record the lease's claim wrote, at `key`, with one `DELIFEQ`; `None` where the
-    /// caller runs its script (see [`on_claimed_record`](Self::on_claimed_record)).
+    /// caller runs its script (see [`on_claimed_record`](Self::on_claimed_record)), and where the
+    /// record there is another (the script decides: see the module's docs).
     pub(super) async fn delete_if_equal(
         &self,
         (lease, key): (&Lease, &str),
@@ -370,10 +378,10 @@ impl RedisStore {
             })
             .await?;
         reply
-            .map(|reply| match reply {
-                Value::Int(1) => Ok(Ownership::Held),
-                Value::Int(0) => Ok(Ownership::Lost),
-                other => Err(unexpected(lease, "DELIFEQ", &other)),
+            .and_then(|reply| match reply {
+                Value::Int(1) => Some(Ok(Ownership::Held)),
+                Value::Int(0) => None,
+                other => Some(Err(unexpected(lease, "DELIFEQ", &other))),
             })
             .transpose()
     }

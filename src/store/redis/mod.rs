@@ -65,7 +65,10 @@ use crate::response::StoredResponse;
 /// renewal are not scripts but one `SET` conditional on the whole in-flight record the claim
 /// wrote (layout, fingerprint, owner token and fence: a reclaimed or completed key never
 /// matches), which costs the server a fraction of a script (see `BENCHMARKS.md`); on a server
-/// with `DELIFEQ` (Valkey 9.0 and newer) release is one `DELIFEQ` on that same record. In front
+/// with `DELIFEQ` (Valkey 9.0 and newer) release is one `DELIFEQ` on that same record. A
+/// command that finds another record there leaves the answer to the script, which compares the
+/// owner token only (the owner's record may have been written again since the lease was made,
+/// by a clone of its claim), so a lease finalizes the same on every server. In front
 /// of an authority ([`TieredStore`](crate::store::TieredStore), see [`Store::claim_in_front`])
 /// the authority's fence is the handler's and its tombstones the ones that count, so the
 /// claim is the pipeline above even with tombstones. `DELEX … IFEQ` (Redis 8.4) is not used
