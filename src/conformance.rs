@@ -46,6 +46,7 @@ macro_rules! store_conformance_tests {
             fresh_key_is_acquired,
             live_claim_is_in_flight,
             a_claim_asked_again_by_its_owner_is_its_own,
+            an_owner_asking_again_after_its_lease_ran_out_holds_the_key_anew,
             other_fingerprint_mismatches_in_flight,
             completed_key_replays_its_response,
             other_fingerprint_mismatches_completed,
@@ -285,15 +286,42 @@ pub async fn a_claim_asked_again_by_its_owner_is_its_own(store: &impl Store) {
         again.fence() >= first.fence(),
         "the owner's claim, granted again with an earlier fence"
     );
-    assert!(
-        matches!(
-            claim(store, &request(&record, "a", LONG)).await,
-            ClaimOutcome::InFlight { .. }
-        ),
-        "another owner got in"
+    the_owners_alone(store, &mine, &first).await;
+}
+
+/// The owner's claim asked again after its lease ran out (its first answer lost, its retry
+/// late, by a clone of the claim) holds the key anew, with a greater fence, and nobody else
+/// gets in; every lease of the owner's holds it, the one made from the first answer too: a
+/// store checks the owner, whichever of its claims wrote what the key holds now.
+pub async fn an_owner_asking_again_after_its_lease_ran_out_holds_the_key_anew(store: &impl Store) {
+    let record = record();
+    let mine = request(&record, "a", SHORT);
+    let first = acquire(store, &mine).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let again = acquire(store, &mine.clone()).await;
+    assert_eq!(
+        renew(store, &first, LONG).await,
+        Ownership::Held,
+        "the first answer's lease, renewed"
     );
-    assert_eq!(complete(store, &first, &response()).await, Ownership::Held);
-    assert_eq!(replayed(claim(store, &mine).await), response());
+    assert!(
+        again.fence() > first.fence(),
+        "asked again late, not a greater fence"
+    );
+    the_owners_alone(store, &mine, &again).await;
+}
+
+/// Checks that the key `mine` claimed is its owner's alone: another owner's claim finds it in
+/// flight, `lease` completes it, and `mine` asked again gets the answer.
+async fn the_owners_alone(store: &impl Store, mine: &ClaimRequest, lease: &Lease) {
+    let other = request(mine.record(), "a", LONG);
+    let found = claim(store, &other).await;
+    assert!(
+        matches!(found, ClaimOutcome::InFlight { .. }),
+        "another owner got in: {found:?}"
+    );
+    assert_eq!(complete(store, lease, &response()).await, Ownership::Held);
+    assert_eq!(replayed(claim(store, mine).await), response());
 }
 
 /// A second claim during a live lease is in flight, with the time left on the lease.

@@ -30,7 +30,9 @@
 //!
 //! - A claim is a single atomic step; two concurrent claims of one key never both acquire.
 //! - Every write after a claim is conditional on the owner token: a stale owner (whose lease
-//!   expired and was reclaimed) changes nothing and learns [`Ownership::Lost`].
+//!   expired and was reclaimed) changes nothing and learns [`Ownership::Lost`]. The owner's
+//!   leases hold whichever of its own claims wrote what the key holds now (its claim asked again
+//!   after the lease ran out writes the record anew).
 //! - An `in_flight` key whose lease has expired is treated exactly like an absent one.
 //! - A grant is good for its lease counted from when its claim was sent. A caller that gets the
 //!   answer late (the layer: a third of its lease or more) renews the lease, owner-checked,
