@@ -56,6 +56,11 @@ def in_flight(i):
     return head(i) + b"1733370000000000"
 
 
+def completed(i):
+    # What complete.lua makes of it: state "c", the response after the fence.
+    return in_flight(i)[:1] + b"c" + in_flight(i)[2:] + RESPONSE
+
+
 RESPONSE = b"r" * 200
 
 
@@ -100,7 +105,7 @@ def kinds():
     yield "complete: complete.lua", None, "f", lambda i: resp(
         "EVALSHA", complete_sha, "1", "f:%d" % i, owner(i), RESPONSE, "86400000")
     yield "complete: SET IFEQ PX", None, "g", lambda i: resp(
-        "SET", "g:%d" % i, in_flight(i)[:1] + b"c" + in_flight(i)[2:] + RESPONSE,
+        "SET", "g:%d" % i, completed(i),
         "IFEQ", in_flight(i), "PX", "86400000")
     # What any script pays on a server without SET IFEQ: complete.lua's comparison and write
     # at their plainest (the whole record compared, the whole new one sent), and no work at all.
@@ -109,9 +114,9 @@ def kinds():
     cas_sha = hashlib.sha1(cas.encode()).hexdigest()
     yield "complete: SET IFEQ's work in Lua (GET, compare, SET)", resp("SCRIPT", "LOAD", cas), \
         "l", lambda i: resp("EVALSHA", cas_sha, "1", "l:%d" % i, in_flight(i),
-                            in_flight(i)[:1] + b"c" + in_flight(i)[2:] + RESPONSE, "86400000")
+                            completed(i), "86400000")
     yield "complete: a plain SET, unchecked (the naive guard's)", None, "p", lambda i: resp(
-        "SET", "p:%d" % i, in_flight(i)[:1] + b"c" + in_flight(i)[2:] + RESPONSE,
+        "SET", "p:%d" % i, completed(i),
         "PX", "86400000")
     nothing = "return 1"
     nothing_sha = hashlib.sha1(nothing.encode()).hexdigest()

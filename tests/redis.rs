@@ -13,7 +13,6 @@ use std::{
 
 use axum::{Router, routing::post};
 use http::{HeaderMap, StatusCode};
-use http_body_util::BodyExt;
 use support::{RedisServer, claim_request, eventually, redis_connection, redis_url};
 use tower::ServiceExt;
 use tower_idempotency::{
@@ -515,11 +514,9 @@ async fn pay(app: Router, key: &'static str) -> (StatusCode, bool, String) {
         .header("idempotency-key", key)
         .body(axum::body::Body::empty())
         .unwrap();
-    let response = app.oneshot(request).await.unwrap();
-    let replayed = response.headers().contains_key("idempotent-replayed");
-    let status = response.status();
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    (status, replayed, String::from_utf8(body.to_vec()).unwrap())
+    let answer = support::call(&app, request).await;
+    let body = String::from_utf8(answer.body.to_vec()).unwrap();
+    (answer.status, answer.replayed(), body)
 }
 
 /// A claim without a script is three commands, pipelined: the `SET` that writes the record,
