@@ -9,7 +9,7 @@
 //! cargo run --example admin -- doctor                  # the stores' settings that break guarantees
 //! ```
 //!
-//! `doctor` prints a line per check (`Store::diagnose`) and exits 1 when a guarantee is at risk,
+//! `doctor` prints a line per check (`Admin::diagnose`) and exits 1 when a guarantee is at risk,
 //! so a deployment can run it before it sends traffic. `inspect` prints every tier it could
 //! read and exits 1 when one could not be read: a partial answer is not taken for a whole one.
 //!
@@ -28,7 +28,7 @@ use sqlx::postgres::PgPoolOptions;
 use tower_idempotency::{
     IdempotencyKey,
     scope::ANONYMOUS_SCOPE,
-    store::{PostgresStore, RecordInfo, RecordKey, RedisStore, Store, StoreError, TieredStore},
+    store::{Admin, PostgresStore, RecordInfo, RecordKey, RedisStore, StoreError, TieredStore},
 };
 
 /// The stores, as the payments example builds them. One value, made once at start-up: that one
@@ -78,7 +78,7 @@ impl Stores {
         }
     }
 
-    fn store(&self) -> &dyn Store {
+    fn admin(&self) -> &dyn Admin {
         match self {
             Self::Tiered(store) => store,
             Self::Postgres(store) => store,
@@ -213,7 +213,7 @@ async fn main() -> ExitCode {
             async {
                 let record = record()?;
                 let found = stores
-                    .store()
+                    .admin()
                     .forget(&record)
                     .await
                     .map_err(|e| chain(&e))?;
@@ -238,7 +238,7 @@ async fn main() -> ExitCode {
             async {
                 let older_than = parse_duration(argument).ok_or("DURATION: like 90s, 5m, 2h")?;
                 let stuck = stores
-                    .store()
+                    .admin()
                     .stuck(older_than, limit)
                     .await
                     .map_err(|e| chain(&e))?;
@@ -270,7 +270,7 @@ async fn main() -> ExitCode {
             .await
         }
         "doctor" => {
-            let diagnosis = stores.store().diagnose().await;
+            let diagnosis = stores.admin().diagnose().await;
             print!("{diagnosis}");
             let worst = diagnosis.worst();
             println!("worst: {}", worst.as_str());

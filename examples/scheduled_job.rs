@@ -25,7 +25,7 @@ use std::{env, time::Duration};
 use sqlx::PgPool;
 use tower_idempotency::{
     IdempotencyClaim,
-    store::{FenceError, PostgresStore, Store},
+    store::{Admin, FenceError, PostgresStore},
     work::{Once, Slot},
 };
 

@@ -191,7 +191,7 @@ impl IdempotencyClaim {
         connection: &mut sqlx::PgConnection,
     ) -> Result<(), crate::store::FenceError> {
         let times = (self.retention, self.lease_duration);
-        crate::store::commit(connection, &self.lease, times, None).await
+        crate::store::postgres::fence::commit(connection, &self.lease, times, None).await
     }
 
     /// The fence, and the answer with it: like [`commit`](Self::commit), and stores `response`
@@ -235,7 +235,7 @@ impl IdempotencyClaim {
             .rules
             .record(response)
             .with_varied_request_headers(varied);
-        crate::store::commit(connection, &self.lease, times, Some(&stored)).await
+        crate::store::postgres::fence::commit(connection, &self.lease, times, Some(&stored)).await
     }
 
     /// The fence, and a unit of work's outcome with it: for [`Once::run`](crate::work::Once::run)
@@ -281,7 +281,7 @@ impl IdempotencyClaim {
                 source,
             })?;
         let stored = crate::response::StoredResponse::of_outcome(outcome.into());
-        crate::store::commit(connection, &self.lease, times, Some(&stored)).await
+        crate::store::postgres::fence::commit(connection, &self.lease, times, Some(&stored)).await
     }
 }
 
@@ -344,7 +344,7 @@ impl IdempotencyClaim {
         &self,
         connection: &mut sqlx::PgConnection,
     ) -> Result<Option<crate::store::RecoveryPoint>, crate::store::FenceError> {
-        crate::store::recovery_point(connection, &self.lease).await
+        crate::store::postgres::fence::recovery_point(connection, &self.lease).await
     }
 
     /// Records that the handler got to `point`, leaving `payload` for the steps after it,
@@ -367,7 +367,7 @@ impl IdempotencyClaim {
         let times = (self.retention, self.lease_duration);
         let kept = self.kept.as_deref().map(KeptRequest::encode);
         let step = (point, payload, kept.as_deref());
-        crate::store::advance(connection, &self.lease, times, step).await
+        crate::store::postgres::fence::advance(connection, &self.lease, times, step).await
     }
 }
 

@@ -43,9 +43,9 @@
 //! ```
 //!
 //! It needs a store that keeps such work: Postgres, alone or behind Redis
-//! ([`Store::abandoned`](crate::store::Store::abandoned)). What it could not finish (no request
+//! ([`Recovery::abandoned`](crate::store::Recovery::abandoned)). What it could not finish (no request
 //! kept, a handler that failed again, no recovery hook) it notes on the key: the admin listing
-//! ([`Store::stuck`](crate::store::Store::stuck),
+//! ([`Admin::stuck`](crate::store::Admin::stuck),
 //! [`RecordInfo::unfinished`](crate::store::RecordInfo::unfinished)) says why, and the
 //! `idempotency_completer_*` metrics count it (see [`telemetry`](crate::telemetry)).
 //!
@@ -171,8 +171,8 @@ where
     /// One round: lists the abandoned keys (up to the pace) and drives each to its end, at
     /// once; what became of them. Fails only when the store cannot list them.
     pub async fn run_once(&mut self) -> Result<Round, StoreError> {
-        let store = &self.engine.settings.store;
-        let found = store.abandoned(self.pace).await?;
+        let recovery = self.engine.settings.store.recovery_for("abandoned")?;
+        let found = recovery.abandoned(self.pace).await?;
         let mut round = Round {
             found: found.len(),
             oldest: found.iter().map(|abandoned| abandoned.lapsed).max(),
@@ -226,7 +226,11 @@ async fn tally(engine: &Engine, round: &mut Round, record: Option<RecordKey>, fa
             let Some(record) = record else { return };
             let shown = settings.shown_record(&record);
             tracing::warn!(record = %shown, why, "the completer could not finish a key");
-            if let Err(error) = settings.store.note_unfinished(&record, &why).await {
+            let noted = async {
+                let recovery = settings.store.recovery_for("note_unfinished")?;
+                recovery.note_unfinished(&record, &why).await
+            };
+            if let Err(error) = noted.await {
                 tracing::debug!(
                     error = &error as &dyn std::error::Error,
                     "could not note why on the key"
@@ -339,7 +343,11 @@ async fn answer_committed(engine: &Engine, abandoned: &Abandoned) -> Fate {
 
 /// Whether a key whose handler the completer ran is complete now, as the store says.
 async fn completed(engine: &Engine, record: &RecordKey, status: http::StatusCode) -> Fate {
-    match engine.settings.store.inspect(record).await {
+    let inspected = async {
+        let admin = engine.settings.store.admin_for("inspect")?;
+        admin.inspect(record).await
+    };
+    match inspected.await {
         Ok(Some(info)) if info.state == RecordState::Completed => Fate::Finished,
         Ok(info) => Fate::Failed(format!(
             "the handler answered {status}, and the key is {}: tried again next round",

@@ -1,5 +1,6 @@
-//! The header names of the protocol: the key a request carries, and what the layer says on its
-//! answers. (Within the crate: the values the layer reads and writes on the wire.)
+//! The header names of the protocol: the key a request carries ([`IDEMPOTENCY_KEY`]), and what
+//! the layer says on its answers ([`IDEMPOTENT_REPLAYED`], [`IDEMPOTENCY_KEY_PROTECTED_UNTIL`]).
+//! (Within the crate: the values the layer reads and writes on the wire.)
 
 use std::time::{Duration, SystemTime};
 
@@ -8,10 +9,19 @@ use http::{HeaderMap, HeaderName, HeaderValue, header::VARY};
 /// The request header that carries the key (`Idempotency-Key`; gRPC metadata `idempotency-key`).
 pub static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
-/// The header that marks a replayed response (`Idempotent-Replayed: true`). A `HeaderName`, not
-/// a string: a map given a string parses it on every call, and copies a name it does not know
-/// into a new allocation when it inserts it.
-pub(crate) const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// The response header that marks a replayed answer (`Idempotent-Replayed: true`): a retry's
+/// answer is the stored one, not a new execution.
+///
+/// ```
+/// # let response = http::Response::new(());
+/// use tower_idempotency::headers::IDEMPOTENT_REPLAYED;
+///
+/// let replayed = response.headers().get(IDEMPOTENT_REPLAYED).is_some_and(|v| v == "true");
+/// # assert!(!replayed);
+/// ```
+// A `HeaderName`, not a string: a map given a string parses it on every call, and copies a name
+// it does not know into a new allocation when it inserts it.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// The header that says which of a request's preferences were honored (RFC 7240).
 pub(crate) const PREFERENCE_APPLIED: HeaderName = HeaderName::from_static("preference-applied");

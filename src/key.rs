@@ -6,7 +6,8 @@ use http::{HeaderMap, HeaderName};
 
 /// A validated idempotency key: 1 to 255 visible ASCII characters.
 ///
-/// The header may carry an RFC 8941 string (`"8e03978e-40d5"`, as the IETF draft specifies) or the
+/// The header may carry a structured-field string (`"8e03978e-40d5"`, as the IETF draft
+/// specifies; RFC 9651, which replaced RFC 8941 in 2024 with the same grammar for strings) or the
 /// bare token most clients send (`8e03978e-40d5`); both parse to the same key.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct IdempotencyKey(String);
@@ -17,9 +18,9 @@ impl IdempotencyKey {
 
     /// Parses one header value.
     ///
-    /// The value is an RFC 8941 item: a string (`"order-42"`) or, as most clients send it, a bare
+    /// The value is an RFC 9651 item: a string (`"order-42"`) or, as most clients send it, a bare
     /// token (`order-42`), either of them optionally followed by parameters (`;x=1`), which are
-    /// ignored as RFC 8941 says. A comma outside a string makes the value a list: that is what a
+    /// ignored as RFC 9651 says. A comma outside a string makes the value a list: that is what a
     /// proxy makes of a repeated header, and it is refused as [`KeyError::Repeated`].
     ///
     /// ```
@@ -32,7 +33,7 @@ impl IdempotencyKey {
     /// assert!(IdempotencyKey::parse(b"").is_err());
     /// ```
     pub fn parse(value: &[u8]) -> Result<Self, KeyError> {
-        // RFC 8941 parsers discard surrounding spaces; HTTP stacks usually have already.
+        // RFC 9651 parsers discard surrounding spaces; HTTP stacks usually have already.
         let value = value.trim_ascii();
         let (key, rest) = match value {
             [b'"', rest @ ..] => unquote(rest)?,
@@ -132,7 +133,7 @@ pub enum KeyError {
         /// The first offending byte.
         byte: u8,
     },
-    /// The value is not a well-formed RFC 8941 item: a broken string or broken parameters.
+    /// The value is not a well-formed RFC 9651 item: a broken string or broken parameters.
     #[error("the idempotency key is not a well-formed structured-field item: {reason}")]
     Malformed {
         /// What is wrong with it.
@@ -140,7 +141,7 @@ pub enum KeyError {
     },
 }
 
-/// Parses the rest of an RFC 8941 sf-string after its opening quote (section 4.2.5); returns
+/// Parses the rest of an RFC 9651 sf-string after its opening quote (section 4.2.5); returns
 /// the string and what follows its closing quote.
 fn unquote(rest: &[u8]) -> Result<(Vec<u8>, &[u8]), KeyError> {
     let malformed = |reason| KeyError::Malformed { reason };
@@ -160,7 +161,7 @@ fn unquote(rest: &[u8]) -> Result<(Vec<u8>, &[u8]), KeyError> {
     Err(malformed("the closing quote is missing"))
 }
 
-/// Checks what follows the item: RFC 8941 parameters (`;key` or `;key=value`), ignored once
+/// Checks what follows the item: RFC 9651 parameters (`;key` or `;key=value`), ignored once
 /// well-formed. A comma means a list: a repeated header.
 fn parameters(mut rest: &[u8]) -> Result<(), KeyError> {
     let malformed = |reason| KeyError::Malformed { reason };

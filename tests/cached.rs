@@ -20,29 +20,58 @@ use tower_idempotency::{
     store::Fingerprint,
     store::StoredResponse,
     store::{
-        CachedStore, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, RedisStore, Store,
+        Admin, CachedStore, ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey, RedisStore,
+        Store,
     },
 };
 use uuid::Uuid;
 
 const BOUND: Duration = Duration::from_secs(1);
 
-/// The store contract holds through the cache, on a memory store and on Redis.
-mod conformance {
-    use super::*;
-
-    tower_idempotency::store_conformance_tests!(async {
-        CachedStore::new(tower_idempotency::MemoryStore::new())
-    });
-
-    mod on_redis {
-        use super::*;
-
-        tower_idempotency::store_conformance_tests!(async {
-            let store = RedisStore::open(&support::redis_url()).unwrap();
-            CachedStore::new(store.with_prefix(format!("cache:{}:", Uuid::new_v4().simple())))
-        });
-    }
+/// The store contract holds through the cache: on a memory store, on Redis, and on Redis that
+/// tells the cache when an answer changed. The operator's paths are the wrapped store's.
+fn main() -> std::process::ExitCode {
+    use tower_idempotency::conformance::{admin_cases, cases};
+    let on_memory = || async { CachedStore::new(tower_idempotency::MemoryStore::new()) };
+    let on_redis = || async {
+        let store = RedisStore::open(&support::redis_url()).unwrap();
+        CachedStore::new(store.with_prefix(format!("cache:{}:", Uuid::new_v4().simple())))
+    };
+    let watched = || async {
+        let store = RedisStore::open(&support::redis_url())
+            .unwrap()
+            .with_prefix(format!("watched:{}:", Uuid::new_v4().simple()));
+        CachedStore::new(store.clone()).with_watcher(store.watcher())
+    };
+    let mut tests = support::conformance("on_memory", &[], cases(), on_memory);
+    tests.extend(support::conformance(
+        "on_memory",
+        &[],
+        admin_cases(),
+        on_memory,
+    ));
+    tests.extend(support::conformance("on_redis", &[], cases(), on_redis));
+    tests.extend(support::conformance(
+        "on_redis",
+        &[],
+        admin_cases(),
+        on_redis,
+    ));
+    tests.extend(support::conformance("watched", &[], cases(), watched));
+    tests.extend(crate::tests![
+        current:
+            replays_soon_after_cost_no_round_trip_and_fresh_keys_cost_the_same,
+            only_a_lease_made_from_its_claim_has_its_answer_kept,
+            an_answer_the_store_no_longer_holds_is_served_for_at_most_the_bound,
+            a_key_forgotten_and_reused_by_another_request_is_the_stores_past_the_bound,
+            an_answer_is_never_served_past_its_retention,
+            the_cache_keeps_to_its_budget,
+            watched::a_watched_answer_is_served_past_the_bound_without_a_round_trip,
+            watched::a_watched_answer_goes_the_moment_redis_says_its_key_changed,
+            watched::a_lost_tracking_connection_drops_what_it_watched,
+            watched::a_silent_redis_stops_watched_answers_after_the_bound;
+    ]);
+    support::run(tests)
 }
 
 /// An app on `store` whose handler counts its runs and answers with the run's number.
@@ -93,7 +122,6 @@ fn record(key: &str) -> RecordKey {
 
 /// A retry soon after is replayed without a round trip: Redis sees the fresh key's claim and
 /// completion, and nothing for the replays; a fresh key costs what it costs without the cache.
-#[tokio::test]
 async fn replays_soon_after_cost_no_round_trip_and_fresh_keys_cost_the_same() {
     let setup = setup().await;
     let runs = Arc::new(AtomicUsize::new(0));
@@ -125,7 +153,6 @@ async fn replays_soon_after_cost_no_round_trip_and_fresh_keys_cost_the_same() {
 /// An answer is kept for the request its claim was made for, which the lease made from that
 /// claim knows. A lease made without its claim (`Lease::new`) does not: its completion is not
 /// kept, and a retry is the store's to answer.
-#[tokio::test]
 async fn only_a_lease_made_from_its_claim_has_its_answer_kept() {
     let setup = setup().await;
     let body = Some("1".into());
@@ -166,7 +193,6 @@ fn app_without_cache(setup: &Setup, runs: &Arc<AtomicUsize>) -> Router {
 /// Forgotten from another process (an operator's `admin forget`), lost by the store (flushed):
 /// the cached answer is served for at most the bound, then the store decides, and the request
 /// runs again. Forgotten through the cache itself, at once.
-#[tokio::test]
 async fn an_answer_the_store_no_longer_holds_is_served_for_at_most_the_bound() {
     let setup = setup().await;
     let runs = Arc::new(AtomicUsize::new(0));
@@ -203,7 +229,6 @@ async fn an_answer_the_store_no_longer_holds_is_served_for_at_most_the_bound() {
 /// A key forgotten and claimed again with another request: a request like the new one goes to
 /// the store (the cache keeps answers by fingerprint) and gets the new answer at once; a request
 /// like the old one may get the old answer, within the bound only.
-#[tokio::test]
 async fn a_key_forgotten_and_reused_by_another_request_is_the_stores_past_the_bound() {
     let setup = setup().await;
     let runs = Arc::new(AtomicUsize::new(0));
@@ -222,7 +247,6 @@ async fn a_key_forgotten_and_reused_by_another_request_is_the_stores_past_the_bo
 }
 
 /// The retention ends before the bound: the answer is not served past it, watched or not.
-#[tokio::test]
 async fn an_answer_is_never_served_past_its_retention() {
     let setup = setup().await;
     let cached = CachedStore::new(setup.behind.clone()).with_bound(Duration::from_secs(60));
@@ -255,7 +279,6 @@ async fn short_retention(cached: CachedStore<RedisStore>, key: &str) {
 
 /// The cache holds at most its budget: past it, the oldest answers go, and their retries ask
 /// the store (which replays them).
-#[tokio::test]
 async fn the_cache_keeps_to_its_budget() {
     let setup = setup().await;
     let cached = CachedStore::new(setup.behind.clone())
@@ -291,13 +314,6 @@ mod watched {
     use std::time::Instant;
 
     use super::*;
-
-    tower_idempotency::store_conformance_tests!(async {
-        let store = RedisStore::open(&support::redis_url())
-            .unwrap()
-            .with_prefix(format!("watched:{}:", Uuid::new_v4().simple()));
-        CachedStore::new(store.clone()).with_watcher(store.watcher())
-    });
 
     /// The store of `setup` behind a cache with a watcher and `bound`.
     fn watched(setup: &Setup, bound: Duration) -> CachedStore<RedisStore> {
@@ -348,8 +364,7 @@ mod watched {
 
     /// A watched answer is served past the bound, without a round trip, while Redis says
     /// nothing changed.
-    #[tokio::test]
-    async fn a_watched_answer_is_served_past_the_bound_without_a_round_trip() {
+    pub(crate) async fn a_watched_answer_is_served_past_the_bound_without_a_round_trip() {
         let setup = setup().await;
         let runs = Arc::new(AtomicUsize::new(0));
         let app = app(watched(&setup, BOUND), &runs);
@@ -370,8 +385,7 @@ mod watched {
     /// Forgotten by another process, flushed, forgotten and run again by another process, past
     /// its retention: the cached answer goes the moment Redis says so, long before the bound
     /// (a minute here), and the store decides.
-    #[tokio::test]
-    async fn a_watched_answer_goes_the_moment_redis_says_its_key_changed() {
+    pub(crate) async fn a_watched_answer_goes_the_moment_redis_says_its_key_changed() {
         let setup = setup().await;
         let runs = Arc::new(AtomicUsize::new(0));
         let app = app(watched(&setup, Duration::from_secs(60)), &runs);
@@ -411,8 +425,7 @@ mod watched {
 
     /// The watcher's connection killed: what it watched is not served again until Redis is
     /// asked, and the watcher connects again.
-    #[tokio::test]
-    async fn a_lost_tracking_connection_drops_what_it_watched() {
+    pub(crate) async fn a_lost_tracking_connection_drops_what_it_watched() {
         let setup = setup().await;
         let runs = Arc::new(AtomicUsize::new(0));
         let app = app(watched(&setup, Duration::from_secs(60)), &runs);
@@ -441,8 +454,7 @@ mod watched {
     /// Redis frozen (its connections open, nothing answering; the store's timeout longer than
     /// the bound, so the watcher's ping is still waiting): a watched answer is served for the
     /// bound after the watcher last heard from Redis, then no more.
-    #[tokio::test]
-    async fn a_silent_redis_stops_watched_answers_after_the_bound() {
+    pub(crate) async fn a_silent_redis_stops_watched_answers_after_the_bound() {
         let mut setup = setup().await;
         let bound = Duration::from_millis(300);
         let store = setup.behind.clone().with_timeout(Duration::from_secs(2));

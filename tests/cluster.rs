@@ -20,7 +20,9 @@ use tower::ServiceExt;
 use tower_idempotency::{
     IdempotencyLayer,
     store::StoredResponse,
-    store::{CachedStore, ClaimOutcome, Ownership, PostgresStore, RedisStore, Store, TieredStore},
+    store::{
+        Admin, CachedStore, ClaimOutcome, Ownership, PostgresStore, RedisStore, Store, TieredStore,
+    },
 };
 use uuid::Uuid;
 
@@ -42,9 +44,15 @@ async fn shared_store() -> RedisStore {
 /// and `redis-cli`, each is reported as not run (see `tests/support/needs.rs`). The
 /// conformance cases are named by the store they run on.
 fn main() -> std::process::ExitCode {
-    use tower_idempotency::conformance::{cases, tombstone_cases};
+    use tower_idempotency::conformance::{admin_cases, cases, tombstone_cases};
     let needs = &[Need::RedisServer, Need::RedisCli];
     let mut tests = support::conformance("redis_cluster", needs, cases(), shared_store);
+    tests.extend(support::conformance(
+        "redis_cluster",
+        needs,
+        admin_cases(),
+        shared_store,
+    ));
     // The tombstone beside each record, in its slot.
     tests.extend(support::conformance(
         "redis_cluster_tombstones",

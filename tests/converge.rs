@@ -28,6 +28,25 @@ use tower_idempotency::{
     store::{MemoryStore, PostgresStore},
 };
 
+fn main() -> std::process::ExitCode {
+    support::run(crate::tests![
+        multi(2):
+            a_handler_that_blocks_its_worker_past_the_lease_keeps_its_key,
+            a_store_that_cannot_finalize_keeps_the_key_until_it_can,
+            a_store_slow_to_answer_renewals_keeps_the_key,
+            a_live_owner_holding_its_fence_past_the_lease_is_never_reported_dead,
+            a_handler_that_blocks_the_only_thread_of_its_runtime_keeps_its_key,
+            a_handler_that_blocks_the_only_thread_of_its_runtime_keeps_its_key_behind_redis,
+            a_claim_granted_while_the_runtime_is_blocked_never_runs_on_postgres,
+            a_claim_granted_while_the_runtime_is_blocked_never_runs_behind_redis,
+            a_claim_granted_while_the_runtime_is_blocked_never_runs_in_memory,
+            a_fleet_blocking_its_runtimes_runs_each_key_once_on_postgres,
+            a_fleet_blocking_its_runtimes_runs_each_key_once_behind_redis,
+            a_claim_whose_reply_was_lost_is_served_at_once,
+            a_claim_that_timed_out_after_the_store_took_it_is_released;
+    ])
+}
+
 fn post_key(key: &str) -> Request<Body> {
     Request::post("/payments")
         .header("idempotency-key", key)
@@ -52,7 +71,6 @@ impl Effects {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_blocks_its_worker_past_the_lease_keeps_its_key() {
     let schema = TestSchema::new().await;
     // Renewed every 100 ms: a renewal task that kept its own worker loses the key only if it
@@ -87,7 +105,6 @@ async fn a_handler_that_blocks_its_worker_past_the_lease_keeps_its_key() {
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_that_cannot_finalize_keeps_the_key_until_it_can() {
     let schema = TestSchema::new().await;
     let failing = Arc::new(AtomicBool::new(true));
@@ -134,7 +151,6 @@ async fn a_store_that_cannot_finalize_keeps_the_key_until_it_can() {
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_slow_to_answer_renewals_keeps_the_key() {
     // Each renewal answers 1.2 s after the store renewed, 0.8 of the lease. Renewals counted
     // from the late answers would be 1.13 leases apart (200 ms without a lease, each time);
@@ -245,7 +261,6 @@ async fn slow_payment(State(app): State<Slow>, claim: IdempotencyClaim) -> Respo
     (StatusCode::CREATED, format!("payment {run}")).into_response()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_owner_holding_its_fence_past_the_lease_is_never_reported_dead() {
     let schema = TestSchema::new().await;
     sqlx::query("CREATE TABLE payments (key text NOT NULL, run int NOT NULL)")
@@ -321,7 +336,6 @@ async fn a_live_owner_holding_its_fence_past_the_lease_is_never_reported_dead() 
 /// A handler that blocks the only thread of its runtime (a current-thread runtime, where the
 /// renewals used to run too) for longer than the lease keeps its key: a retry on another
 /// instance waits for its answer instead of running it a second time.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_blocks_the_only_thread_of_its_runtime_keeps_its_key() {
     let schema = TestSchema::new().await;
     let postgres = PostgresStore::new(schema.pool.clone());
@@ -329,7 +343,6 @@ async fn a_handler_that_blocks_the_only_thread_of_its_runtime_keeps_its_key() {
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_blocks_the_only_thread_of_its_runtime_keeps_its_key_behind_redis() {
     let schema = TestSchema::new().await;
     let redis = support::RedisServer::start().await;
@@ -498,7 +511,6 @@ async fn a_grant_seen_after_its_lease(
     assert_eq!(layer_a.counters().snapshot().leases_lost, 0, "no work ran");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_on_postgres() {
     let schema = TestSchema::new().await;
     for flavor in [Flavor::CurrentThread, Flavor::MultiThread] {
@@ -507,7 +519,6 @@ async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_on_postgres() {
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_behind_redis() {
     let schema = TestSchema::new().await;
     let redis = support::RedisServer::start().await;
@@ -518,7 +529,6 @@ async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_behind_redis() 
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_granted_while_the_runtime_is_blocked_never_runs_in_memory() {
     let memory = MemoryStore::new();
     for flavor in [Flavor::CurrentThread, Flavor::MultiThread] {
@@ -607,14 +617,12 @@ async fn until_answered(url: &str, key: &str) -> (Answer, u32) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_blocking_its_runtimes_runs_each_key_once_on_postgres() {
     let schema = TestSchema::new().await;
     a_fleet_blocking_its_runtimes("Postgres", stores(&schema, None)).await;
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_blocking_its_runtimes_runs_each_key_once_behind_redis() {
     let schema = TestSchema::new().await;
     let redis = support::RedisServer::start().await;
@@ -631,7 +639,6 @@ async fn a_fleet_blocking_its_runtimes_runs_each_key_once_behind_redis() {
 /// then 409 "still being processed" on every retry for the whole lease, though nothing ran, on
 /// Redis alone, Postgres alone and Redis in front of Postgres. Counted where it happens: the
 /// handler ran once per key, and a reply was really cut.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_whose_reply_was_lost_is_served_at_once() {
     use redis::{ConnectionAddr, IntoConnectionInfo};
     use support::{ReplyCutter, redis_url};
@@ -706,7 +713,6 @@ async fn a_claim_whose_reply_was_lost_is_served_at_once() {
 /// and releases the claim (owner-checked, in the background), so the retry runs at once
 /// instead of waiting out the lease of a claim nobody acts on. It was 409 "still being
 /// processed" until the lease ended. Counted at the handler: the key ran once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_that_timed_out_after_the_store_took_it_is_released() {
     let armed = Arc::new(AtomicBool::new(true));
     let store = Faulty {

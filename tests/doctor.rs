@@ -1,4 +1,4 @@
-//! `Store::diagnose` and the admin example's `doctor`, against servers misconfigured on purpose
+//! `Admin::diagnose` and the admin example's `doctor`, against servers misconfigured on purpose
 //! (each finding must fire) and against a healthy setup (none may).
 
 mod support;
@@ -6,8 +6,26 @@ mod support;
 use support::{RedisServer, TestSchema, database_url, free_port, schema_options, url_in_schema};
 use tower_idempotency::{
     MemoryStore,
-    store::{Diagnosis, PostgresStore, RedisStore, Severity, Store, TieredStore},
+    store::{Admin, Diagnosis, PostgresStore, RedisStore, Severity, TieredStore},
 };
+
+fn main() -> std::process::ExitCode {
+    support::run(crate::tests![
+        current:
+            a_healthy_setup_reports_every_check_and_nothing_to_fix,
+            the_version_line_names_the_compare_and_set_commands_the_server_has,
+            an_evicting_redis_without_persistence_puts_the_guarantee_at_risk,
+            a_redis_without_config_is_a_warning_not_a_guessed_risk,
+            snapshots_alone_are_a_warning_and_an_unreachable_redis_a_risk,
+            an_unreachable_postgres_says_it_refused,
+            an_unreachable_redis_says_whether_it_refused_wants_a_password_or_is_silent,
+            postgres_flags_missing_migrations_missing_timeouts_and_a_sweeper_that_never_runs,
+            an_authority_that_acknowledges_commits_it_can_lose_is_a_risk;
+        multi(2):
+            the_doctor_command_exits_non_zero_only_when_a_guarantee_is_at_risk,
+            the_compose_files_servers_pass_the_doctor;
+    ])
+}
 
 /// The severity of `check`'s finding (the worst, on a cluster); fails the test if it is absent.
 fn severity(diagnosis: &Diagnosis, check: &str) -> Severity {
@@ -37,7 +55,6 @@ async fn healthy_postgres(schema: &TestSchema) -> PostgresStore {
     PostgresStore::new(pool)
 }
 
-#[tokio::test]
 async fn a_healthy_setup_reports_every_check_and_nothing_to_fix() {
     let redis = healthy_redis().await;
     let schema = TestSchema::new().await;
@@ -72,7 +89,6 @@ async fn a_healthy_setup_reports_every_check_and_nothing_to_fix() {
 /// Redis 7 and 8.2 none, on Valkey 8.1 `SET … IFEQ`, on Valkey 9.1 `DELIFEQ` too; and how a
 /// claim runs (every server CI runs has `SET … NX GET`): by command, or where the store keeps
 /// tombstones by claim.lua alone and by command in front of an authority.
-#[tokio::test]
 async fn the_version_line_names_the_compare_and_set_commands_the_server_has() {
     let redis = RedisServer::start().await;
     let (set_ifeq, delifeq) = (redis.has_set_ifeq().await, redis.has_delifeq().await);
@@ -105,7 +121,6 @@ async fn the_version_line_names_the_compare_and_set_commands_the_server_has() {
     }
 }
 
-#[tokio::test]
 async fn an_evicting_redis_without_persistence_puts_the_guarantee_at_risk() {
     for policy in ["allkeys-lru", "volatile-ttl"] {
         // The test servers start with `--save "" --appendonly no`: no persistence at all.
@@ -133,7 +148,6 @@ async fn an_evicting_redis_without_persistence_puts_the_guarantee_at_risk() {
 /// A Redis whose `CONFIG` command is renamed away (as managed Redis services do) with its
 /// snapshots on: the doctor cannot tell whether snapshots are on, and says so as a warning. It
 /// reported "snapshots off" as a risk, and the doctor exited 1.
-#[tokio::test]
 async fn a_redis_without_config_is_a_warning_not_a_guessed_risk() {
     let redis =
         RedisServer::start_with(&["--save", "3600 1", "--rename-command", "CONFIG", ""]).await;
@@ -148,7 +162,6 @@ async fn a_redis_without_config_is_a_warning_not_a_guessed_risk() {
     assert!(!finding.message.contains("snapshots off"), "{diagnosis}");
 }
 
-#[tokio::test]
 async fn snapshots_alone_are_a_warning_and_an_unreachable_redis_a_risk() {
     let redis = RedisServer::start_with(&["--save", "3600 1"]).await;
     let diagnosis = RedisStore::open(&redis.url()).unwrap().diagnose().await;
@@ -170,7 +183,6 @@ async fn snapshots_alone_are_a_warning_and_an_unreachable_redis_a_risk() {
 /// A Postgres that refuses the connection (nothing listens on the port) is said to refuse it,
 /// at once: it was "postgres store did not answer within 5s", after 5 s, which sends an operator
 /// looking for a slow database instead of a wrong address.
-#[tokio::test]
 async fn an_unreachable_postgres_says_it_refused() {
     let nobody = format!("postgres://postgres@127.0.0.1:{}/test", free_port());
     let pool = sqlx::postgres::PgPoolOptions::new()
@@ -195,7 +207,6 @@ async fn an_unreachable_postgres_says_it_refused() {
 
 /// Why a Redis cannot be reached is said as it is: refused, wanting a password, or silent (it
 /// was "did not answer within 250ms" for all three).
-#[tokio::test]
 async fn an_unreachable_redis_says_whether_it_refused_wants_a_password_or_is_silent() {
     let reachable =
         |diagnosis: &Diagnosis| diagnosis.of("reachable").next().unwrap().message.clone();
@@ -226,7 +237,6 @@ async fn an_unreachable_redis_says_whether_it_refused_wants_a_password_or_is_sil
     assert!(reachable(&silent).contains("no answer in time"), "{silent}");
 }
 
-#[tokio::test]
 async fn postgres_flags_missing_migrations_missing_timeouts_and_a_sweeper_that_never_runs() {
     // A schema the migrations never ran in, and a pool without session timeouts.
     let empty = format!("doctor_empty_{}", uuid::Uuid::new_v4().simple());
@@ -283,7 +293,6 @@ async fn postgres_flags_missing_migrations_missing_timeouts_and_a_sweeper_that_n
 /// `synchronous_commit = off` (for the application's role, or the whole server) lets Postgres
 /// acknowledge a claim it can lose in a crash: a risk. The README asked for it on; the doctor
 /// did not check it.
-#[tokio::test]
 async fn an_authority_that_acknowledges_commits_it_can_lose_is_a_risk() {
     let schema = TestSchema::new().await;
     let mut settings = vec![("search_path", schema.name.as_str())];
@@ -332,7 +341,6 @@ fn doctor(env: &[(&str, String)]) -> (bool, String) {
     (output.status.success(), stdout)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_doctor_command_exits_non_zero_only_when_a_guarantee_is_at_risk() {
     let schema = TestSchema::new().await;
     let redis = healthy_redis().await;
@@ -376,7 +384,6 @@ fn compose_command(compose: &str, service: &str) -> Vec<String> {
 /// The servers `docker-compose.yml` starts for users pass the doctor, and its Postgres is the
 /// major version CI tests. It had no session timeouts and Redis' defaults (two risks), and
 /// Postgres 16 against CI's 15.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_compose_files_servers_pass_the_doctor() {
     let compose =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docker-compose.yml"))

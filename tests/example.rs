@@ -12,9 +12,25 @@ use support::{
 
 use tower_idempotency::problem;
 
+fn main() -> std::process::ExitCode {
+    support::run(crate::tests![
+        current:
+            payments_example_creates_replays_and_refuses,
+            payments_example_lets_a_duplicate_wait_as_asked_and_refuses_a_late_retry_until_the_horizon,
+            payments_example_lets_a_corrected_request_run_and_keeps_callers_apart,
+            hyper_example_runs_an_order_once,
+            payments_example_serves_its_metrics_to_prometheus,
+            admin_inspect_fails_when_a_tier_cannot_be_read,
+            a_store_that_cannot_serve_stops_the_example_at_start;
+        multi(2):
+            admin_command_finds_a_stuck_key_and_forgets_it_so_the_next_request_runs,
+            the_dashboard_and_the_alert_rules_name_only_metrics_the_crate_emits,
+            payments_example_charges_a_faulty_provider_once_per_payment;
+    ])
+}
+
 const PAYMENT: &str = r#"{"amount_cents": 4900, "currency": "usd", "customer": "cus_1"}"#;
 
-#[tokio::test]
 async fn payments_example_creates_replays_and_refuses() {
     let app = Proc::example("payments", &[]).await;
     let url = app.url("/payments");
@@ -64,7 +80,6 @@ async fn payments_example_creates_replays_and_refuses() {
 /// for a slow payment gets it, one that does not gets 409; a retry after
 /// `IDEMPOTENCY_RETENTION_MS` is refused (410, answer expired) and charges nothing, until
 /// `IDEMPOTENCY_TOMBSTONE_HORIZON_MS` after the payment; past it, it is a new request.
-#[tokio::test]
 async fn payments_example_lets_a_duplicate_wait_as_asked_and_refuses_a_late_retry_until_the_horizon()
  {
     let env = [
@@ -134,7 +149,6 @@ async fn rows(schema: &TestSchema, key: &str) -> i64 {
         .unwrap()
 }
 
-#[tokio::test]
 async fn payments_example_lets_a_corrected_request_run_and_keeps_callers_apart() {
     let schema = TestSchema::new().await;
     let app = Proc::example(
@@ -202,7 +216,6 @@ async fn payments_example_lets_a_corrected_request_run_and_keeps_callers_apart()
     schema.drop().await;
 }
 
-#[tokio::test]
 async fn hyper_example_runs_an_order_once() {
     let app = Proc::example("hyper_server", &[]).await;
     let url = app.url("/orders");
@@ -249,7 +262,6 @@ async fn hyper_example_runs_an_order_once() {
     );
 }
 
-#[tokio::test]
 async fn payments_example_serves_its_metrics_to_prometheus() {
     let app = Proc::example("payments", &[]).await;
     let url = app.url("/payments");
@@ -311,7 +323,6 @@ fn admin(env: &[(&str, String)], args: &[&str]) -> String {
     stdout
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_command_finds_a_stuck_key_and_forgets_it_so_the_next_request_runs() {
     let schema = TestSchema::new().await;
     let redis = RedisServer::start().await;
@@ -393,7 +404,6 @@ async fn admin_command_finds_a_stuck_key_and_forgets_it_so_the_next_request_runs
 
 /// Every metric the shipped dashboard and alert rules name (`contrib/`) is one the crate emits:
 /// the payments example on Redis in front of Postgres is scraped, and each name must be there.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_and_the_alert_rules_name_only_metrics_the_crate_emits() {
     let schema = TestSchema::new().await;
     let redis = RedisServer::start().await;
@@ -447,7 +457,6 @@ async fn the_dashboard_and_the_alert_rules_name_only_metrics_the_crate_emits() {
 /// The payments example calls its provider through the client layer with a key derived from the
 /// payment's: a provider that fails, answers past the timeout (having charged) or says 409 is
 /// retried with the same key, and every payment is charged once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payments_example_charges_a_faulty_provider_once_per_payment() {
     let plan = vec![
         ProviderFault::Unavailable,
@@ -487,7 +496,6 @@ async fn payments_example_charges_a_faulty_provider_once_per_payment() {
 /// `admin inspect` exits non-zero when a tier could not be read (Redis down here): a script
 /// that checks a key must not take a partial answer for a whole one. It printed the error and
 /// exited 0.
-#[tokio::test]
 async fn admin_inspect_fails_when_a_tier_cannot_be_read() {
     let schema = TestSchema::new().await;
     let stores = [
@@ -513,7 +521,6 @@ async fn admin_inspect_fails_when_a_tier_cannot_be_read() {
 /// variables to look at: a Redis refusing connections, or one wanting a password. Before, it
 /// served, and answered every guarded request 503. The same Redis in front of Postgres is only a
 /// warning: requests go on through Postgres.
-#[tokio::test]
 async fn a_store_that_cannot_serve_stops_the_example_at_start() {
     let guarded = RedisServer::start_with(&["--requirepass", "s3cret"]).await;
     for (redis, why) in [

@@ -109,7 +109,9 @@ fn comparable(response: &Response<Payment>) -> Vec<(String, String)> {
         .clone()
         .into_headers()
         .iter()
-        .filter(|(name, _)| !matches!(name.as_str(), "date" | "idempotent-replayed"))
+        .filter(|(name, _)| {
+            *name != "date" && *name != tower_idempotency::headers::IDEMPOTENT_REPLAYED
+        })
         .map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_owned()))
         .collect();
     pairs.sort();
@@ -119,7 +121,7 @@ fn comparable(response: &Response<Payment>) -> Vec<(String, String)> {
 fn replayed(response: &Response<Payment>) -> bool {
     response
         .metadata()
-        .get("idempotent-replayed")
+        .get(tower_idempotency::headers::IDEMPOTENT_REPLAYED.as_str())
         .is_some_and(|v| v == "true")
 }
 

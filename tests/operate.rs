@@ -30,6 +30,25 @@ use tracing::{
 };
 use tracing_subscriber::{Layer, layer::Context, prelude::*, registry::LookupSpan};
 
+fn main() -> std::process::ExitCode {
+    support::run(crate::tests![
+        current:
+            the_response_carries_the_outcome_for_layers_outside;
+        sync:
+            a_guarded_request_has_a_span_of_its_own_the_handler_runs_in,
+            every_answer_the_layer_gives_is_an_event_at_the_chosen_level,
+            logs_never_show_a_key_or_scope_in_clear_unless_asked_to,
+            store_errors_are_logged_with_their_causes,
+            metrics_count_outcomes_time_the_store_and_follow_keys_held_and_the_breaker,
+            an_unknown_outcome_and_an_unstored_response_are_outcomes_of_their_own,
+            the_sweeper_logs_why_it_failed,
+            units_of_work_count_apart_from_requests,
+            every_outcome_is_exported_at_zero_before_it_happens,
+            the_breaker_gauge_falls_back_when_the_cooldown_ends_on_an_idle_instance,
+            a_store_failure_on_the_request_path_says_refused_unauthenticated_or_silent;
+    ])
+}
+
 /// What the capturing subscriber saw.
 #[derive(Default)]
 struct Seen {
@@ -241,7 +260,6 @@ fn gated_app(layer: IdempotencyLayer) -> (Router, Arc<Semaphore>) {
     (app, gate)
 }
 
-#[test]
 fn a_guarded_request_has_a_span_of_its_own_the_handler_runs_in() {
     let capture = Capture::default();
     observed(&capture, |_| async {
@@ -274,7 +292,6 @@ fn a_guarded_request_has_a_span_of_its_own_the_handler_runs_in() {
     assert_eq!(handler.scope_ids[0], span.id);
 }
 
-#[test]
 fn every_answer_the_layer_gives_is_an_event_at_the_chosen_level() {
     let capture = Capture::default();
     observed(&capture, |_| async {
@@ -341,7 +358,6 @@ fn every_answer_the_layer_gives_is_an_event_at_the_chosen_level() {
     );
 }
 
-#[test]
 fn logs_never_show_a_key_or_scope_in_clear_unless_asked_to() {
     let secret = "order-of-mr-smith-4242";
     let tenant = "tenant-acme-corp";
@@ -377,7 +393,6 @@ fn logs_never_show_a_key_or_scope_in_clear_unless_asked_to() {
     );
 }
 
-#[test]
 fn store_errors_are_logged_with_their_causes() {
     let capture = Capture::default();
     observed(&capture, |_| async move {
@@ -404,7 +419,6 @@ fn store_errors_are_logged_with_their_causes() {
     );
 }
 
-#[test]
 fn metrics_count_outcomes_time_the_store_and_follow_keys_held_and_the_breaker() {
     let capture = Capture::default();
     observed(&capture, |metrics| async move {
@@ -481,7 +495,6 @@ fn metrics_count_outcomes_time_the_store_and_follow_keys_held_and_the_breaker() 
     });
 }
 
-#[tokio::test]
 async fn the_response_carries_the_outcome_for_layers_outside() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let recorded = Arc::clone(&seen);
@@ -511,7 +524,6 @@ async fn the_response_carries_the_outcome_for_layers_outside() {
     );
 }
 
-#[test]
 fn an_unknown_outcome_and_an_unstored_response_are_outcomes_of_their_own() {
     let capture = Capture::default();
     observed(&capture, |metrics| async move {
@@ -570,15 +582,16 @@ fn an_unknown_outcome_and_an_unstored_response_are_outcomes_of_their_own() {
         );
         silent.abort();
 
-        // The memory store's layer, then the Postgres one's (a `custom` store: it is wrapped).
+        // The memory store's layer, then the Postgres one's (wrapped: a wrapper is labelled with
+        // the kind of the store it wraps).
         let requests = |outcome, store| {
             let labels = [("outcome", outcome), ("store", store)];
             metrics.metric("idempotency_requests_total", &labels)
         };
         assert_eq!(requests("response_not_stored", "memory"), Some(1.0));
-        assert_eq!(requests("outcome_unknown", "custom"), Some(1.0));
-        assert_eq!(requests("in_flight", "custom"), Some(1.0));
-        for store in ["memory", "custom"] {
+        assert_eq!(requests("outcome_unknown", "postgres"), Some(1.0));
+        assert_eq!(requests("in_flight", "postgres"), Some(1.0));
+        for store in ["memory", "postgres"] {
             let replays = requests("replayed", store);
             assert_eq!(replays, Some(0.0), "a 409 counted as a replay");
         }
@@ -600,7 +613,6 @@ fn an_unknown_outcome_and_an_unstored_response_are_outcomes_of_their_own() {
     );
 }
 
-#[test]
 fn the_sweeper_logs_why_it_failed() {
     let capture = Capture::default();
     observed(&capture, |metrics| async move {
@@ -636,7 +648,6 @@ fn the_sweeper_logs_why_it_failed() {
 
 /// Units of work count in a family of their own, apart from requests: an operator tells a
 /// consumer's redeliveries from an API's retries, and a unit's run time from a handler's.
-#[test]
 fn units_of_work_count_apart_from_requests() {
     use tower_idempotency::work::{Once, Unit};
     observed(&Capture::default(), |recorded| async move {
@@ -665,7 +676,6 @@ fn units_of_work_count_apart_from_requests() {
 
 /// Every outcome's series exists from the moment a layer is built, at zero: a dashboard panel
 /// or an alert on a rare outcome (`outcome_unknown`) has data, not "No data", until it happens.
-#[test]
 fn every_outcome_is_exported_at_zero_before_it_happens() {
     observed(&Capture::default(), |recorded| async move {
         let app = app(IdempotencyLayer::new(MemoryStore::new()));
@@ -689,7 +699,6 @@ fn every_outcome_is_exported_at_zero_before_it_happens() {
 /// `idempotency_front_breaker_open` says whether the front is skipped right now: on an idle
 /// instance whose Redis is back it returns to 0 once the cooldown is over, with no request to
 /// probe Redis. It stayed 1, and `IdempotencyFrontBreakerOpen` kept firing.
-#[test]
 fn the_breaker_gauge_falls_back_when_the_cooldown_ends_on_an_idle_instance() {
     observed(&Capture::default(), |metrics| async move {
         let mut redis = RedisServer::start().await;
@@ -717,7 +726,6 @@ fn the_breaker_gauge_falls_back_when_the_cooldown_ends_on_an_idle_instance() {
 /// A store failure on the request path says what happened: a Redis that refuses connections is
 /// "refused", one that wants a password "NOAUTH", one that is frozen a timeout. Each answers 503
 /// and logs the error with its cause.
-#[test]
 fn a_store_failure_on_the_request_path_says_refused_unauthenticated_or_silent() {
     let cases: [(&str, &str); 3] = [
         ("refused", "refused"),

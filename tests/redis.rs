@@ -18,7 +18,7 @@ use tower::ServiceExt;
 use tower_idempotency::{
     IdempotencyLayer, conformance,
     store::StoredResponse,
-    store::{ClaimOutcome, ClaimRequest, Ownership, RedisStore, Store, StoreError},
+    store::{ClaimOutcome, ClaimRequest, Front, Ownership, RedisStore, Store, StoreError},
 };
 use uuid::Uuid;
 
@@ -28,19 +28,41 @@ fn store_on(url: &str) -> RedisStore {
         .with_prefix(format!("test:{}:", Uuid::new_v4()))
 }
 
-tower_idempotency::store_conformance_tests!(async { store_on(&redis_url()) });
+fn main() -> std::process::ExitCode {
+    use conformance::{TOMBSTONE_HORIZON, admin_cases, cases, tombstone_cases};
+    let plain = || async { store_on(&redis_url()) };
+    let mut tests = support::conformance("redis", &[], cases(), plain);
+    tests.extend(support::conformance("redis", &[], admin_cases(), plain));
+    tests.extend(support::conformance(
+        "redis",
+        &[],
+        tombstone_cases(),
+        || async { store_on(&redis_url()).with_tombstones(TOMBSTONE_HORIZON) },
+    ));
+    tests.extend(crate::tests![
+        current:
+            tombstones::a_tombstone_costs_a_small_key,
+            script_flush_between_calls_changes_nothing,
+            finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_where_not,
+            a_claim_by_command_answers_as_claim_lua_does,
+            a_claim_asked_again_by_claim_lua_keeps_its_fence_growing,
+            a_restarted_redis_is_reconnected,
+            a_stalled_redis_times_out_within_the_bound,
+            unreadable_records_are_errors_that_name_the_record,
+            stored_records_expire_with_redis_clocks,
+            two_instances_on_one_redis_run_a_key_once,
+            a_claim_stalled_inside_its_pipeline_past_a_lease_does_not_run,
+            an_owner_asking_again_as_its_record_expires_holds_the_key_again;
+    ]);
+    support::run(tests)
+}
 
 mod tombstones {
     use super::*;
 
-    tower_idempotency::store_tombstone_conformance_tests!(async {
-        store_on(&redis_url()).with_tombstones(tower_idempotency::conformance::TOMBSTONE_HORIZON)
-    });
-
     /// A tombstone costs Redis a key of its own: its bytes, as `MEMORY USAGE` counts them,
     /// against the completed record's (a 200-byte answer).
-    #[tokio::test]
-    async fn a_tombstone_costs_a_small_key() {
+    pub(crate) async fn a_tombstone_costs_a_small_key() {
         let store = store_on(&redis_url()).with_tombstones(Duration::from_secs(3600));
         let request = claim_request("order-0123456789abcdef", Duration::from_secs(30));
         let lease = support::acquire(&store, &request).await;
@@ -84,7 +106,6 @@ async fn flush_scripts(admin: &mut redis::aio::MultiplexedConnection) {
         .unwrap();
 }
 
-#[tokio::test]
 async fn script_flush_between_calls_changes_nothing() {
     let server = RedisServer::start().await;
     let store = store_on(&server.url());
@@ -121,7 +142,6 @@ async fn script_flush_between_calls_changes_nothing() {
 /// same either way. A command that finds another record than its lease's leaves the answer to
 /// the script. The store asks the server once what it has, and never tries a command it does
 /// not.
-#[tokio::test]
 async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_where_not() {
     let server = RedisServer::start().await;
     let store = store_on(&server.url());
@@ -210,7 +230,6 @@ async fn finalizing_compares_and_sets_where_the_server_can_and_runs_scripts_wher
 /// request, the answer to a retry with what is left of the retention. The record is the one
 /// claim.lua writes: the script (which a store with tombstones claims with) reads it, and the
 /// lease finalizes it.
-#[tokio::test]
 async fn a_claim_by_command_answers_as_claim_lua_does() {
     let server = RedisServer::start().await;
     let plain = store_on(&server.url());
@@ -280,7 +299,6 @@ async fn a_claim_by_command_answers_as_claim_lua_does() {
 /// cluster, the key's slot moved in between): granted again, its fence is the server's clock
 /// of that moment as the pipeline's would be, no earlier than the first grant's, and not the
 /// first claim's record name (this machine's clock, read before it was sent).
-#[tokio::test]
 async fn a_claim_asked_again_by_claim_lua_keeps_its_fence_growing() {
     let server = RedisServer::start().await;
     let plain = store_on(&server.url());
@@ -304,7 +322,6 @@ async fn a_claim_asked_again_by_claim_lua_keeps_its_fence_growing() {
     assert_eq!(completed.await.unwrap(), Ownership::Held);
 }
 
-#[tokio::test]
 async fn a_restarted_redis_is_reconnected() {
     let mut server = RedisServer::start().await;
     let store = store_on(&server.url());
@@ -331,7 +348,6 @@ async fn a_restarted_redis_is_reconnected() {
     assert!(matches!(outcome, ClaimOutcome::Acquired { .. }));
 }
 
-#[tokio::test]
 async fn a_stalled_redis_times_out_within_the_bound() {
     let mut server = RedisServer::start().await;
     let timeout = Duration::from_millis(200);
@@ -368,7 +384,6 @@ async fn a_stalled_redis_times_out_within_the_bound() {
     assert_eq!(ownership, Ownership::Held);
 }
 
-#[tokio::test]
 async fn unreadable_records_are_errors_that_name_the_record() {
     let url = redis_url();
     let store = store_on(&url);
@@ -423,7 +438,6 @@ async fn unreadable_records_are_errors_that_name_the_record() {
         .unwrap();
 }
 
-#[tokio::test]
 async fn stored_records_expire_with_redis_clocks() {
     let url = redis_url();
     let store = store_on(&url);
@@ -459,7 +473,6 @@ async fn stored_records_expire_with_redis_clocks() {
     );
 }
 
-#[tokio::test]
 async fn two_instances_on_one_redis_run_a_key_once() {
     let runs = Arc::new(AtomicUsize::new(0));
     let prefix = format!("test:{}:", Uuid::new_v4());
@@ -490,7 +503,9 @@ async fn two_instances_on_one_redis_run_a_key_once() {
             let response = app.oneshot(request).await.unwrap();
             (
                 response.status(),
-                response.headers().contains_key("idempotent-replayed"),
+                response
+                    .headers()
+                    .contains_key(tower_idempotency::headers::IDEMPOTENT_REPLAYED),
             )
         }
     };
@@ -525,7 +540,6 @@ async fn pay(app: Router, key: &'static str) -> (StatusCode, bool, String) {
 /// a fence from an earlier clock: the first instance's grant comes late, is renewed before
 /// anything runs under it, is found in the second's hands, and its request gets the second's
 /// answer. The payment runs once.
-#[tokio::test]
 async fn a_claim_stalled_inside_its_pipeline_past_a_lease_does_not_run() {
     let server = RedisServer::start().await;
     let holder = support::CommandHolder::start(server.port).await;
@@ -573,7 +587,6 @@ async fn a_claim_stalled_inside_its_pipeline_past_a_lease_does_not_run() {
 /// the grant is given. The claim is asked once more in a transaction, which writes the record
 /// afresh: the key is the owner's again for a whole lease, and nobody else's, and every lease of
 /// the owner's holds it, also one that names the first record.
-#[tokio::test]
 async fn an_owner_asking_again_as_its_record_expires_holds_the_key_again() {
     let server = RedisServer::start().await;
     let holder = support::CommandHolder::start(server.port).await;

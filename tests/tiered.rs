@@ -11,34 +11,51 @@ use support::{
 use tower_idempotency::{
     store::StoredResponse,
     store::{
-        CachedStore, ClaimOutcome, ClaimRequest, Ownership, PostgresStore, RedisStore, Store,
-        TieredStore,
+        CachedStore, ClaimOutcome, ClaimRequest, Front, Ownership, PostgresStore, RedisStore,
+        Store, TieredStore,
     },
 };
 use uuid::Uuid;
 
-tower_idempotency::store_conformance_tests!(async {
-    let redis = RedisStore::open(&redis_url())
-        .unwrap()
-        .with_prefix(format!("test:{}:", Uuid::new_v4()));
-    let postgres =
-        PostgresStore::new(pool_in_schema(&database_url(), "tower_idempotency_conformance").await);
-    TieredStore::new(redis, postgres)
-});
-
-/// Redis in front keeps no tombstones: the authority's answer a key past its retention.
-mod tombstones {
-    use super::*;
-
-    tower_idempotency::store_tombstone_conformance_tests!(async {
+fn main() -> std::process::ExitCode {
+    use tower_idempotency::conformance::{TOMBSTONE_HORIZON, admin_cases, cases, tombstone_cases};
+    let tiered = || async {
+        let redis = RedisStore::open(&redis_url())
+            .unwrap()
+            .with_prefix(format!("test:{}:", Uuid::new_v4()));
+        let pool = pool_in_schema(&database_url(), "tower_idempotency_conformance").await;
+        TieredStore::new(redis, PostgresStore::new(pool))
+    };
+    // Redis in front keeps no tombstones: the authority answers a key past its retention.
+    let with_tombstones = || async {
         let redis = RedisStore::open(&redis_url())
             .unwrap()
             .with_prefix(format!("test:{}:", Uuid::new_v4()));
         let pool = pool_in_schema(&database_url(), "tower_idempotency_tombstones").await;
-        let postgres = PostgresStore::new(pool)
-            .with_tombstones(tower_idempotency::conformance::TOMBSTONE_HORIZON);
+        let postgres = PostgresStore::new(pool).with_tombstones(TOMBSTONE_HORIZON);
         TieredStore::new(redis, postgres)
-    });
+    };
+    let mut tests = support::conformance("tiered", &[], cases(), tiered);
+    tests.extend(support::conformance("tiered", &[], admin_cases(), tiered));
+    tests.extend(support::conformance(
+        "tiered",
+        &[],
+        tombstone_cases(),
+        with_tombstones,
+    ));
+    tests.extend(crate::tests![
+        current:
+            the_front_claims_by_command_and_completes_by_compare_and_set_where_it_can,
+            a_cached_front_claims_by_command_too,
+            after_a_flush_the_authority_answers_and_redis_is_refilled,
+            postgres_failing_releases_the_redis_claim,
+            a_stale_front_record_of_another_request_does_not_refuse_this_one;
+        multi(2):
+            a_stalled_redis_costs_one_timeout_then_is_skipped,
+            a_claim_that_reaches_a_frozen_redis_late_never_hides_a_completed_key,
+            completed_keys_replay_from_redis_while_postgres_is_down_breaker_or_not;
+    ]);
+    support::run(tests)
 }
 
 fn request(key: &str) -> ClaimRequest {
@@ -65,7 +82,6 @@ async fn claim_and_complete(store: &impl Store, key: &str) {
 /// completes the record it wrote by compare-and-set where it can: the fence it wrote travels
 /// in the lease beside the authority's (which the handler sees), so the front holds the answer
 /// after one `SET`, and still after a script where the server has no `SET … IFEQ`.
-#[tokio::test]
 async fn the_front_claims_by_command_and_completes_by_compare_and_set_where_it_can() {
     let server = RedisServer::start().await;
     let schema = TestSchema::new().await;
@@ -98,7 +114,6 @@ async fn the_front_claims_by_command_and_completes_by_compare_and_set_where_it_c
 /// A replay cache around the front (`TieredStore::new(CachedStore::new(redis), postgres)`)
 /// keeps the front's claim without a script: each fresh key's claim is one `SET` and one
 /// `PTTL`, pipelined, as with Redis alone in front.
-#[tokio::test]
 async fn a_cached_front_claims_by_command_too() {
     let server = RedisServer::start().await;
     let schema = TestSchema::new().await;
@@ -119,7 +134,6 @@ async fn a_cached_front_claims_by_command_too() {
     assert_eq!(server.calls("exec").await, 0, "claims in a transaction");
 }
 
-#[tokio::test]
 async fn after_a_flush_the_authority_answers_and_redis_is_refilled() {
     let server = RedisServer::start().await;
     let schema = TestSchema::new().await;
@@ -171,7 +185,6 @@ async fn after_a_flush_the_authority_answers_and_redis_is_refilled() {
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_redis_costs_one_timeout_then_is_skipped() {
     let mut server = RedisServer::start().await;
     let schema = TestSchema::new().await;
@@ -216,7 +229,6 @@ async fn a_stalled_redis_costs_one_timeout_then_is_skipped() {
     schema.drop().await;
 }
 
-#[tokio::test]
 async fn postgres_failing_releases_the_redis_claim() {
     let redis = RedisStore::open(&redis_url())
         .unwrap()
@@ -236,7 +248,6 @@ async fn postgres_failing_releases_the_redis_claim() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_that_reaches_a_frozen_redis_late_never_hides_a_completed_key() {
     let mut server = RedisServer::start().await;
     let schema = TestSchema::new().await;
@@ -306,7 +317,6 @@ async fn a_claim_that_reaches_a_frozen_redis_late_never_hides_a_completed_key() 
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completed_keys_replay_from_redis_while_postgres_is_down_breaker_or_not() {
     let mut server = RedisServer::start().await;
     let mut cluster = support::PgCluster::start().await;
@@ -348,7 +358,6 @@ async fn completed_keys_replay_from_redis_while_postgres_is_down_breaker_or_not(
 /// A record left in Redis by an attempt whose release failed, for another request with the key:
 /// the front's "mismatch" is confirmed with Postgres, which has no row, so the request runs
 /// (it was refused 422 for up to a lease).
-#[tokio::test]
 async fn a_stale_front_record_of_another_request_does_not_refuse_this_one() {
     let server = RedisServer::start().await;
     let schema = TestSchema::new().await;

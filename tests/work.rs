@@ -19,11 +19,28 @@ use tower_idempotency::{
     work::{Once, Slot, Unit, WorkError},
 };
 
+fn main() -> std::process::ExitCode {
+    support::run(crate::tests![
+        current:
+            a_unit_runs_once_and_later_deliveries_get_its_outcome,
+            a_service_behind_the_once_layer_runs_each_job_once,
+            a_failed_unit_is_released_for_the_next_delivery;
+        multi(2):
+            a_superseded_delivery_gets_the_units_outcome_not_its_own,
+            a_delivery_granted_while_its_runtime_is_blocked_never_runs,
+            a_unit_committed_with_its_outcome_then_killed_is_replayed_at_once,
+            the_recovery_hook_gives_a_unit_committed_then_killed_its_outcome,
+            concurrent_deliveries_run_once_and_share_the_outcome,
+            a_slot_runs_once_however_many_instances_start_it,
+            consumers_that_die_or_stall_ship_each_order_once,
+            a_schedule_on_four_instances_runs_once_and_a_killed_run_is_taken_over;
+    ])
+}
+
 fn unit(key: &str, payload: &str) -> Unit {
     Unit::new("orders", key, payload.as_bytes()).unwrap()
 }
 
-#[tokio::test]
 async fn a_unit_runs_once_and_later_deliveries_get_its_outcome() {
     let once = Once::new(MemoryStore::new());
     let runs = Arc::new(AtomicUsize::new(0));
@@ -48,7 +65,6 @@ async fn a_unit_runs_once_and_later_deliveries_get_its_outcome() {
 
 /// The same through a tower layer, for job frameworks and consumer loops built on services: the
 /// unit is read from the request, the inner service finds the claim, its response is stored.
-#[tokio::test]
 async fn a_service_behind_the_once_layer_runs_each_job_once() {
     use tower::{ServiceBuilder, ServiceExt};
     use tower_idempotency::work::{OnceLayer, current_claim};
@@ -94,7 +110,6 @@ async fn a_service_behind_the_once_layer_runs_each_job_once() {
     assert!(current_claim().is_none(), "only inside a unit");
 }
 
-#[tokio::test]
 async fn a_failed_unit_is_released_for_the_next_delivery() {
     let once = Once::new(MemoryStore::new());
     let failed = once
@@ -116,7 +131,6 @@ async fn a_failed_unit_is_released_for_the_next_delivery() {
 /// A delivery whose lease ran out while its work ran (its renewals froze) and whose unit another
 /// delivery took over and finished gets the unit's outcome, the other's: never its own value,
 /// which was not stored.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_superseded_delivery_gets_the_units_outcome_not_its_own() {
     let lease = Duration::from_millis(200);
     let memory = MemoryStore::new();
@@ -159,7 +173,6 @@ async fn a_superseded_delivery_gets_the_units_outcome_not_its_own() {
 /// A delivery the store granted while the thread running it was blocked (2 s, lease 800 ms)
 /// sees its grant only after the lease ran out and another delivery took the unit: it does not
 /// run the work on it, and gets the other's outcome.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delivery_granted_while_its_runtime_is_blocked_never_runs() {
     let lease = Duration::from_millis(800);
     let memory = MemoryStore::new();
@@ -253,7 +266,6 @@ async fn shipments(pool: &sqlx::PgPool, key: &str) -> i64 {
 /// A unit whose work stored its outcome with the fence and whose process died right after the
 /// commit: the next delivery gets that outcome at once, without waiting for the dead one's
 /// lease (a plain commit leaves `OutcomeUnknown` for the whole retention, as shown last).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unit_committed_with_its_outcome_then_killed_is_replayed_at_once() {
     let (schema, store) = shipments_schema().await;
     let lease = Duration::from_millis(300);
@@ -283,7 +295,6 @@ async fn a_unit_committed_with_its_outcome_then_killed_is_replayed_at_once() {
 /// A unit committed with a plain fence, then killed: with a recovery hook, the next delivery
 /// after the dead one's lease gets the outcome the hook rebuilt from the work's own rows,
 /// stored once and replayed to every later delivery.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_recovery_hook_gives_a_unit_committed_then_killed_its_outcome() {
     let (schema, store) = shipments_schema().await;
     let recovered = Arc::new(AtomicUsize::new(0));
@@ -319,7 +330,6 @@ async fn the_recovery_hook_gives_a_unit_committed_then_killed_its_outcome() {
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_deliveries_run_once_and_share_the_outcome() {
     let once = Once::new(MemoryStore::new());
     let runs = Arc::new(AtomicUsize::new(0));
@@ -349,7 +359,6 @@ async fn concurrent_deliveries_run_once_and_share_the_outcome() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_runs_once_however_many_instances_start_it() {
     let once = Once::new(MemoryStore::new());
     let runs = Arc::new(AtomicUsize::new(0));
@@ -386,7 +395,6 @@ async fn a_slot_runs_once_however_many_instances_start_it() {
 /// Redis Streams redelivers a message another consumer holds for `CLAIM_IDLE_MS` (`XAUTOCLAIM`):
 /// here shorter than the work, so deliveries are taken over mid-work by live consumers, and one
 /// consumer is killed (SIGKILL) mid-run. Every order ships once (fenced), all are acknowledged.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumers_that_die_or_stall_ship_each_order_once() {
     let schema = TestSchema::new().await;
     let redis = RedisServer::start().await;
@@ -482,7 +490,6 @@ async fn consumers_that_die_or_stall_ship_each_order_once() {
 /// The same schedule started on four instances: one run per slot; the instance running it is
 /// killed (SIGKILL) mid-way, another takes it over after the lease and resumes, and no step is
 /// written twice.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_schedule_on_four_instances_runs_once_and_a_killed_run_is_taken_over() {
     let schema = TestSchema::new().await;
     let slot = format!("nightly-cleanup:{}", uuid::Uuid::new_v4().simple());

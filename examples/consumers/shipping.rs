@@ -8,7 +8,7 @@ use std::{env, time::Duration};
 use sqlx::{PgConnection, PgPool, postgres::PgPoolOptions};
 use tower_idempotency::{
     IdempotencyClaim,
-    store::{PostgresStore, Store},
+    store::{Admin, PostgresStore},
     work::{Done, Once, Unit, WorkError},
 };
 

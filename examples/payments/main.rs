@@ -79,7 +79,7 @@ use tower_idempotency::{
     IdempotencyClaim, IdempotencyLayer, MemoryStore,
     client::{ClientBody, IdempotencyClient, IdempotencyClientLayer},
     completer::KeptRequests,
-    store::{FenceError, PostgresStore, RecordKey, RedisStore, Store, TieredStore},
+    store::{Diagnosis, FenceError, PostgresStore, RecordKey, RedisStore, Store, TieredStore},
 };
 
 use self::{answers::*, ledger::*, provider::*, setup::*};

@@ -58,7 +58,7 @@ pub(crate) async fn stores_from_env() -> (Arc<dyn Store>, Ledger) {
 /// stopped with the findings (a Redis refusing connections or wanting a password, a database
 /// never migrated) when the store cannot serve requests at all, rather than answering 503s.
 pub(crate) async fn check_store(store: &dyn Store) {
-    let diagnosis = store.diagnose().await;
+    let diagnosis = Diagnosis::of_store(store).await;
     diagnosis.log();
     if let Err(error) = diagnosis.ready() {
         fail(

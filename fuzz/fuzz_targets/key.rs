@@ -1,6 +1,6 @@
 //! `Idempotency-Key` header values, as any client (or proxy) may send them.
 //!
-//! Never panics; an accepted key is 1 to 255 visible ASCII characters; and the RFC 8941 string
+//! Never panics; an accepted key is 1 to 255 visible ASCII characters; and the RFC 9651 string
 //! that serializes an accepted key parses back to the same key (quoted and bare forms agree).
 
 #![no_main]

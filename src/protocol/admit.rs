@@ -1,23 +1,167 @@
-//! Claiming a key: the fence to run the handler with, or the answer that replaces running it,
-//! after waiting for a duplicate in flight.
+//! Admitting a request: its body read, its key claimed (after waiting for a duplicate in
+//! flight), and the grant held only if its lease still stands; or the answer that replaces
+//! running the handler.
 
-use std::{ops::ControlFlow, time::Duration};
+use std::{ops::ControlFlow, sync::Arc, time::Duration};
 
+use bytes::Bytes;
 use futures_util::FutureExt;
-use http::{HeaderMap, Response};
+use http::{Response, request::Parts};
+use http_body::Body;
 use tokio::time::Instant;
 
-use super::{Caller, Engine, wait::Backoff};
+use super::{
+    Caller, Engine, Exchange, Hold,
+    lease::{Keeper, Standing},
+    read,
+    wait::Backoff,
+};
 use crate::{
     answers::vary_mismatch,
     body::ResponseBody,
-    grpc::Wire,
     headers,
+    kept::Resumption,
     problem::Rejection,
     settings::RecoveryFn,
-    store::{ClaimOutcome, ClaimRequest, StoreError},
+    store::{BoxError, ClaimOutcome, ClaimRequest, RecordKey, StoreError},
     telemetry::Operation,
 };
+
+/// Reads the body and claims the key: the claim held, the body to run the handler with and the
+/// caller to answer, or `None` once the caller has been answered instead (or has gone).
+pub(super) async fn admit<'a, B, ResBody, E>(
+    exchange: Exchange<'a, '_>,
+    record: Arc<RecordKey>,
+    parts: &Parts,
+    body: B,
+    mut reply: Caller<ResBody, E>,
+) -> Option<(Hold<'a>, Bytes, Caller<ResBody, E>)>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let engine = exchange.engine;
+    let (body, fingerprint) = match read::read_body(&engine.settings, parts, body).await {
+        Ok(read) => read,
+        Err(rejection) => {
+            let answer = engine.respond(rejection, Some(record.key()), exchange.wire);
+            let _ = reply.send(Ok(answer));
+            return None;
+        }
+    };
+    // The completer's request carries the fingerprint the key was claimed with: the headers
+    // that took part in it may not have been kept.
+    let fingerprint = parts
+        .extensions
+        .get::<Resumption>()
+        .map_or(fingerprint, |resumption| resumption.fingerprint);
+    let claim = ClaimRequest::shared(
+        record,
+        fingerprint,
+        engine.owner_token(),
+        engine.settings.lease,
+    );
+    match claim_and_hold(exchange, claim, &mut reply).await {
+        Ok(hold) => {
+            tracing::Span::current().record("fence", hold.lease.fence());
+            tracing::debug!(owner = %hold.lease.owner(), "claimed; running handler");
+            Some((hold, body, reply))
+        }
+        Err(answer) => {
+            if let Some(mut answer) = answer {
+                exchange.wait.applied(&mut answer);
+                let _ = reply.send(Ok(answer));
+            }
+            None
+        }
+    }
+}
+
+/// Claims the key until this process holds a grant: the hold (its claim made anew for a new
+/// owner when a grant came too late to act on), or the answer that replaces running the
+/// handler (`None`: the caller left).
+async fn claim_and_hold<'a, B, E>(
+    exchange: Exchange<'a, '_>,
+    mut claim: ClaimRequest,
+    reply: &mut Caller<B, E>,
+) -> Result<Hold<'a>, Option<Response<ResponseBody<B>>>> {
+    let mut lapses = 0;
+    loop {
+        let grant = match claim_or_answer(exchange, &claim, reply).await {
+            ControlFlow::Continue(grant) => grant,
+            ControlFlow::Break(answer) => return Err(answer),
+        };
+        match hold_grant(exchange.engine, claim, grant, &mut lapses).await {
+            Kept::Hold(hold) => return Ok(hold),
+            Kept::Again(again) => claim = again,
+            Kept::Refused(claim) => {
+                let refusal = exchange.refuse(Rejection::StoreUnavailable, &claim);
+                return Err(Some(refusal));
+            }
+        }
+    }
+}
+
+/// How many grants in a row may come too late to act on before the work is refused.
+const LAPSES: u32 = 3;
+
+/// What became of a grant.
+pub(super) enum Kept<'a> {
+    /// The claim held, its keeper renewing the lease: the work may start.
+    Hold(Hold<'a>),
+    /// The grant came too late to act on: claim again, as this claim (of a new owner).
+    Again(ClaimRequest),
+    /// The store could not confirm the lease, or grants kept lapsing: the work must not run.
+    Refused(ClaimRequest),
+}
+
+/// Holds the lease `grant` gave `claim` (see [`Keeper::standing`]) if it still stands now that
+/// the work is about to start. A grant that lapsed before this process could act on it (its
+/// runtime was blocked when the answer came) while another owner took the key is given up, and
+/// the claim made anew for a new owner: claimed again, its outcome is whatever the key's is (a
+/// replay, a wait for the owner that took it over). `lapses` counts those in a row.
+pub(super) async fn hold_grant<'a>(
+    engine: &'a Arc<Engine>,
+    claim: ClaimRequest,
+    grant: Grant,
+    lapses: &mut u32,
+) -> Kept<'a> {
+    let lease = claim.lease_with_fence(grant.fence);
+    let keeper = Keeper::start(engine, lease.clone(), grant.sent);
+    match keeper.standing().await {
+        Standing::Live => {
+            engine.telemetry.executing();
+            Kept::Hold(Hold {
+                claim,
+                lease,
+                keeper,
+            })
+        }
+        Standing::Lost => {
+            engine.telemetry.grant_lapsed();
+            tracing::warn!(
+                owner = %lease.owner(),
+                fence = lease.fence(),
+                "the claim was granted, but its lease ran out before this process could act on \
+                 it (its runtime was blocked?) and another attempt took the key: not running \
+                 it; claiming again"
+            );
+            *lapses += 1;
+            if *lapses == LAPSES {
+                tracing::error!(lapses, "every grant lapsed before it could be acted on");
+                return Kept::Refused(claim);
+            }
+            Kept::Again(claim.reowned(engine.owner_token()))
+        }
+        Standing::Unconfirmed => {
+            drop(keeper);
+            tracing::error!("the store did not confirm a late grant's lease; not running");
+            // Nothing ran under it: giving the key back early is safe.
+            let _ = engine.settings.store.release(&lease).await;
+            Kept::Refused(claim)
+        }
+    }
+}
 
 /// What a claim ends in: a grant to run the handler under, or the answer that replaces running
 /// it (nothing when the caller left while waiting).
@@ -33,7 +177,7 @@ pub(super) struct Grant {
 }
 
 /// What one claim call answered, and when it was sent.
-pub(super) struct Claimed {
+pub(super) struct Asked {
     pub(super) outcome: Result<ClaimOutcome, StoreError>,
     pub(super) sent: Instant,
 }
@@ -46,35 +190,17 @@ pub(super) struct Claimed {
 /// another instance is noticed by polling the store, after 10 ms, then twice as long each time
 /// up to 200 ms.
 pub(super) async fn claim_or_answer<B, E>(
-    claiming: &Claiming<'_>,
+    exchange: Exchange<'_, '_>,
+    claim: &ClaimRequest,
     reply: &mut Caller<B, E>,
 ) -> Answered<B> {
-    let claimed = claim_once(claiming.engine, claiming.claim).await;
-    match claimed.outcome {
+    let asked = claim_once(exchange.engine, claim).await;
+    match asked.outcome {
         // Waiting is rare, and its state large: boxed apart.
         Ok(ClaimOutcome::InFlight { .. }) => {
-            Box::pin(wait_for_the_first(claiming, reply, claimed)).await
+            Box::pin(wait_for_the_first(exchange, claim, reply, asked)).await
         }
-        _ => answer(claiming, claimed),
-    }
-}
-
-/// A request's claim and what its answers depend on, passed whole through the claim.
-pub(super) struct Claiming<'a> {
-    pub(super) engine: &'a Engine,
-    pub(super) claim: &'a ClaimRequest,
-    /// The request's headers (a replay must agree with them on `Vary`).
-    pub(super) headers: &'a HeaderMap,
-    /// How long to wait for a duplicate in flight.
-    pub(super) wait: Duration,
-    pub(super) wire: Wire,
-}
-
-impl Claiming<'_> {
-    /// The layer's own answer to this request, instead of running the handler.
-    pub(super) fn refuse<B>(&self, rejection: Rejection) -> Response<ResponseBody<B>> {
-        let key = Some(self.claim.record().key());
-        self.engine.respond(rejection, key, self.wire)
+        _ => answer(exchange, claim, asked),
     }
 }
 
@@ -92,7 +218,7 @@ const RECOVERY_RETRY: Duration = Duration::from_secs(1);
 /// likely keep the caller waiting as long again), or when asking again failed too, the claim is
 /// released (owner-checked, in the background) so that the retry the 503 invites is served at
 /// once.
-pub(super) async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Claimed {
+pub(super) async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Asked {
     let store = &engine.settings.store;
     let sent = Instant::now();
     let mut outcome = engine
@@ -114,7 +240,7 @@ pub(super) async fn claim_once(engine: &Engine, claim: &ClaimRequest) -> Claimed
         }
         (outcome, _) => outcome,
     };
-    Claimed { outcome, sent }
+    Asked { outcome, sent }
 }
 
 /// Asks the application for the answer of a key committed without one, and stores it: the
@@ -139,7 +265,10 @@ async fn recovered(
     };
     let settings = &engine.settings;
     let stored = settings.store_rules.record(&response);
-    let adopt = settings.store.adopt(claim, &stored, settings.retention);
+    let adopt = async {
+        let recovery = settings.store.recovery_for("adopt")?;
+        recovery.adopt(claim, &stored, settings.retention).await
+    };
     match engine.telemetry.timed(Operation::Adopt, adopt).await {
         Ok(true) => {
             tracing::info!(
@@ -169,20 +298,21 @@ async fn recovered(
 
 /// The wait of [`claim_or_answer`] for a key found in flight.
 async fn wait_for_the_first<B, E>(
-    claiming: &Claiming<'_>,
+    exchange: Exchange<'_, '_>,
+    claim: &ClaimRequest,
     reply: &mut Caller<B, E>,
-    claimed: Claimed,
+    asked: Asked,
 ) -> Answered<B> {
-    let Claiming { engine, claim, .. } = *claiming;
-    let waited = while_in_flight(engine, claim, claimed, claiming.wait, reply.closed()).await;
-    let Some(claimed) = waited else {
+    let (engine, budget) = (exchange.engine, exchange.wait.budget);
+    let waited = while_in_flight(engine, claim, asked, budget, reply.closed()).await;
+    let Some(asked) = waited else {
         return ControlFlow::Break(None);
     };
-    if let Ok(ClaimOutcome::InFlight { retry_after }) = claimed.outcome {
+    if let Ok(ClaimOutcome::InFlight { retry_after }) = asked.outcome {
         let rejection = Rejection::InFlight { retry_after };
-        return ControlFlow::Break(Some(claiming.refuse(rejection)));
+        return ControlFlow::Break(Some(exchange.refuse(rejection, claim)));
     }
-    answer(claiming, claimed)
+    answer(exchange, claim, asked)
 }
 
 /// Claims again while another attempt holds the key, up to `wait`: the first outcome that is
@@ -194,18 +324,18 @@ async fn wait_for_the_first<B, E>(
 pub(super) async fn while_in_flight(
     engine: &Engine,
     claim: &ClaimRequest,
-    mut claimed: Claimed,
+    mut asked: Asked,
     wait: Duration,
     gone: impl Future<Output = ()>,
-) -> Option<Claimed> {
+) -> Option<Asked> {
     let deadline = Instant::now() + wait;
-    let mut watch = None;
+    let mut interest = None;
     let (prefix, count) = claim.owner().as_u64_pair();
     let mut backoff = Backoff::new(prefix ^ count.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let mut gone = std::pin::pin!(gone);
     loop {
-        let Ok(ClaimOutcome::InFlight { retry_after }) = claimed.outcome else {
-            return Some(claimed);
+        let Ok(ClaimOutcome::InFlight { retry_after }) = asked.outcome else {
+            return Some(asked);
         };
         if (&mut gone).now_or_never().is_some() {
             return None;
@@ -213,28 +343,28 @@ pub(super) async fn while_in_flight(
         let now = Instant::now();
         if now >= deadline {
             let retry_after = engine.state.durations.retry_after(retry_after);
-            claimed.outcome = Ok(ClaimOutcome::InFlight { retry_after });
-            return Some(claimed);
+            asked.outcome = Ok(ClaimOutcome::InFlight { retry_after });
+            return Some(asked);
         }
-        let watch = watch.get_or_insert_with(|| {
+        let interest = interest.get_or_insert_with(|| {
             engine.telemetry.waiting();
-            engine.state.waiters.watch(claim.record())
+            engine.state.waiters.interest(claim.record())
         });
         tokio::select! {
             biased;
             () = &mut gone => return None,
-            () = watch.notify().notified() => {}
+            () = interest.notify().notified() => {}
             () = tokio::time::sleep(backoff.pause().min(deadline - now)) => {}
         }
-        claimed = claim_once(engine, claim).await;
+        asked = claim_once(engine, claim).await;
     }
 }
 
 /// The fence of an acquired claim, or the answer that replaces running the handler.
-fn answer<B>(claiming: &Claiming<'_>, claimed: Claimed) -> Answered<B> {
-    let engine = claiming.engine;
-    let sent = claimed.sent;
-    let rejection = match claimed.outcome {
+fn answer<B>(exchange: Exchange<'_, '_>, claim: &ClaimRequest, asked: Asked) -> Answered<B> {
+    let engine = exchange.engine;
+    let sent = asked.sent;
+    let rejection = match asked.outcome {
         Ok(ClaimOutcome::Acquired { fence }) => {
             return ControlFlow::Continue(Grant { fence, sent });
         }
@@ -242,7 +372,7 @@ fn answer<B>(claiming: &Claiming<'_>, claimed: Claimed) -> Answered<B> {
             response,
             expires_in,
         }) if response.body().is_some() => {
-            match vary_mismatch(&response, claiming.headers) {
+            match vary_mismatch(&response, exchange.headers) {
                 None => {
                     let settings = &engine.settings;
                     // The key outlives its answer by what the tombstones add to the retention.
@@ -271,7 +401,7 @@ fn answer<B>(claiming: &Claiming<'_>, claimed: Claimed) -> Answered<B> {
             status,
             completed_ago,
         }) => {
-            let answer = answer_expired(claiming, (status, completed_ago));
+            let answer = answer_expired(exchange, claim, (status, completed_ago));
             return ControlFlow::Break(Some(answer));
         }
         Err(error) => {
@@ -282,22 +412,39 @@ fn answer<B>(claiming: &Claiming<'_>, claimed: Claimed) -> Answered<B> {
             Rejection::StoreUnavailable
         }
     };
-    ControlFlow::Break(Some(claiming.refuse(rejection)))
+    ControlFlow::Break(Some(exchange.refuse(rejection, claim)))
 }
 
 /// The refusal of a key whose answer expired, with how long its tombstone still protects it
 /// when the layer says so.
 fn answer_expired<B>(
-    claiming: &Claiming<'_>,
+    exchange: Exchange<'_, '_>,
+    claim: &ClaimRequest,
     (status, completed_ago): (http::StatusCode, Duration),
 ) -> Response<ResponseBody<B>> {
     let rejection = Rejection::AnswerExpired {
         status,
         completed_ago,
     };
-    let mut answer = claiming.refuse(rejection);
-    if let Some(lasts) = claiming.engine.settings.protection() {
+    let mut answer = exchange.refuse(rejection, claim);
+    if let Some(lasts) = exchange.engine.settings.protection() {
         headers::protected_for(answer.headers_mut(), lasts.saturating_sub(completed_ago));
     }
     answer
+}
+
+/// Claims a key committed without an answer, as a retry would, for the completer: the answer
+/// the recovery hook rebuilt, stored (`Completed`), or why not. A claim acquired (the key
+/// expired meanwhile) is given back at once: nothing runs under it.
+pub(crate) async fn claim_committed(
+    engine: &Engine,
+    claim: &ClaimRequest,
+) -> Result<ClaimOutcome, StoreError> {
+    let asked = claim_once(engine, claim).await;
+    if let Ok(ClaimOutcome::Acquired { fence }) = asked.outcome {
+        let _ = (engine.settings.store)
+            .release(&claim.lease_with_fence(fence))
+            .await;
+    }
+    asked.outcome
 }

@@ -4,20 +4,20 @@
 use std::{
     panic::AssertUnwindSafe,
     pin::{Pin, pin},
-    sync::atomic::Ordering::Relaxed,
+    sync::{Arc, atomic::Ordering::Relaxed},
 };
 
 use bytes::{Buf, Bytes};
 use futures_util::FutureExt;
-use http::{HeaderMap, Request, Response, StatusCode, response::Parts};
+use http::{HeaderMap, Request, Response, StatusCode, request, response::Parts};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use tokio::sync::mpsc;
+use tokio::{sync::mpsc, time::Instant};
 use tower_service::Service;
 
 use super::{Caller, Engine, Outcome, Reply};
 use crate::{
-    IdempotencyKey, IdempotencyOutcome,
+    IdempotencyClaim, IdempotencyKey, IdempotencyOutcome,
     body::{Chunks, LiveFrame, RequestBody, ResponseBody},
     grpc::Wire,
     headers::varied_request_headers,
@@ -25,7 +25,7 @@ use crate::{
     policy::ResponseSummary,
     problem::Rejection,
     response::StoredResponse,
-    store::BoxError,
+    store::{BoxError, Lease},
 };
 
 /// How many response frames may wait for a slow caller before the handler's body is paused.
@@ -38,10 +38,46 @@ pub(super) struct Handled<B, E> {
     pub(super) answer: Option<(Caller<B, E>, Reply<B, E>)>,
 }
 
+/// Runs the handler on the buffered request, with its claim in the extensions; what it left, and
+/// the request's headers.
+pub(super) async fn execute<S, ReqBody, ResBody>(
+    engine: &Engine,
+    inner: S,
+    parts: request::Parts,
+    body: Bytes,
+    lease: &Lease,
+    reply: Caller<ResBody, S::Error>,
+    wire: Wire,
+) -> (Handled<ResBody, S::Error>, Arc<HeaderMap>)
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ResBody: Body,
+    ResBody::Error: Into<BoxError>,
+{
+    // The response may vary on request headers (`Vary`): keep them to store with it.
+    let request_headers = Arc::new(parts.headers.clone());
+    let settings = &engine.settings;
+    let kept = (settings.kept_requests.as_ref()).and_then(|keep| keep.keep(&parts, &body));
+    let mut request = Request::from_parts(parts, RequestBody::buffered(body));
+    request.extensions_mut().insert(IdempotencyClaim::granted(
+        lease.clone(),
+        (settings.retention, settings.lease),
+        Arc::clone(&settings.store_rules),
+        (Arc::clone(&request_headers), kept),
+    ));
+    let started = Instant::now();
+    let key = lease.record().key();
+    let handled = handle(engine, inner, request, &request_headers, reply, key, wire).await;
+    let took = started.elapsed();
+    engine.state.durations.record(took);
+    engine.telemetry.handler_took(took);
+    (handled, request_headers)
+}
+
 /// Calls the handler and reads its response. A response within the cache limit is kept whole
 /// and answered after finalizing; a larger one streams to the caller as it is produced and is
 /// stored without its body. Panics and service errors become a 500 that releases the key.
-pub(super) async fn handle<S, ReqBody, ResBody>(
+async fn handle<S, ReqBody, ResBody>(
     engine: &Engine,
     mut inner: S,
     request: Request<RequestBody<ReqBody>>,

@@ -8,17 +8,16 @@ use http::{HeaderMap, StatusCode};
 use tokio::time::Instant;
 
 use super::{
-    Engine, Kept,
-    admit::{Grant, claim_once, while_in_flight},
-    hold_grant,
-    settle::{self, Finalized, Finalizing, Keeper},
+    Engine, Hold, Outcome,
+    admit::{Grant, Kept, claim_once, hold_grant, while_in_flight},
+    settle::{self, Finalized},
 };
 use crate::{
     IdempotencyClaim,
     fingerprint::Fingerprint,
     policy::Completion,
     response::StoredResponse,
-    store::{ClaimOutcome, ClaimRequest, Lease, RecordKey, StoreError},
+    store::{ClaimOutcome, ClaimRequest, RecordKey, StoreError},
     telemetry::UnitOutcome,
 };
 
@@ -81,43 +80,28 @@ where
 {
     let delivered = async {
         let settings = &engine.settings;
-        let mut claim =
-            ClaimRequest::new(record, fingerprint, engine.owner_token(), settings.lease);
-        let (lease, keeper) = match held(engine, &mut claim, wait).await {
-            Ok(held) => held,
+        let claim = ClaimRequest::new(record, fingerprint, engine.owner_token(), settings.lease);
+        let hold = match held(engine, claim, wait).await {
+            Ok(hold) => hold,
             Err(delivered) => return delivered,
         };
         let granted = IdempotencyClaim::granted(
-            lease.clone(),
+            hold.lease.clone(),
             (settings.retention, settings.lease),
             Arc::clone(&settings.store_rules),
             (Arc::default(), None),
         );
         let started = Instant::now();
-        let (stored, completion, delivered) = match work(granted).await {
-            Ok(outcome) => (
-                StoredResponse::of_outcome(outcome.clone()),
-                Completion::Complete,
-                Delivered::Executed(outcome),
-            ),
-            // Released for the next delivery; a committed key is completed, as a failure.
-            Err(error) => (
-                StoredResponse::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    HeaderMap::new(),
-                    Some(Bytes::new()),
-                    None,
-                ),
-                Completion::Release,
-                Delivered::Failed(error),
-            ),
-        };
+        let (outcome, delivered) = outcome_of(work(granted).await);
         engine.telemetry.handler_took(started.elapsed());
-        match settle(engine, &lease, &stored, completion, keeper).await {
-            Finalized::Superseded if matches!(delivered, Delivered::Executed(_)) => {
-                Box::pin(superseded(engine, &claim, wait)).await
-            }
-            _ => delivered,
+        let finalized = settle::finalize(engine, &hold, &outcome).await;
+        let superseded =
+            finalized == Finalized::Superseded && matches!(delivered, Delivered::Executed(_));
+        let again = superseded.then(|| hold.claim.reowned(engine.owner_token()));
+        settle::conclude(engine, hold, &outcome, finalized).await;
+        match again {
+            Some(again) => Box::pin(superseded_by(engine, &again, wait)).await,
+            None => delivered,
         }
     }
     .await;
@@ -125,20 +109,51 @@ where
     delivered
 }
 
-/// Claims the key (again, by a new owner, if a grant came too late to act on) until a lease
-/// is held for the work to start under, or says what the delivery gets instead.
-async fn held<'a, E>(
-    engine: &'a Arc<Engine>,
-    claim: &mut ClaimRequest,
+/// What the work's result stores, and what the delivery says of it. A failure releases the key
+/// for the next delivery; a committed key is completed, as a failure.
+fn outcome_of<E>(result: Result<Bytes, E>) -> (Outcome, Delivered<E>) {
+    match result {
+        Ok(value) => {
+            let response = StoredResponse::of_outcome(value.clone());
+            let completion = Completion::Complete;
+            (
+                Outcome {
+                    response,
+                    completion,
+                },
+                Delivered::Executed(value),
+            )
+        }
+        Err(error) => {
+            let empty = Some(Bytes::new());
+            let status = StatusCode::INTERNAL_SERVER_ERROR;
+            let response = StoredResponse::new(status, HeaderMap::new(), empty, None);
+            let completion = Completion::Release;
+            (
+                Outcome {
+                    response,
+                    completion,
+                },
+                Delivered::Failed(error),
+            )
+        }
+    }
+}
+
+/// Claims the key (again, by a new owner, if a grant came too late to act on) until it is held
+/// for the work to start under, or says what the delivery gets instead.
+async fn held<E>(
+    engine: &Arc<Engine>,
+    mut claim: ClaimRequest,
     wait: Duration,
-) -> Result<(Lease, Keeper<'a>), Delivered<E>> {
+) -> Result<Hold<'_>, Delivered<E>> {
     let mut lapses = 0;
     loop {
-        let grant = claimed(engine, claim, wait).await?;
+        let grant = claimed(engine, &claim, wait).await?;
         match hold_grant(engine, claim, grant, &mut lapses).await {
-            Kept::Held(lease, keeper) => return Ok((lease, keeper)),
-            Kept::Again => {}
-            Kept::Refused => {
+            Kept::Hold(hold) => return Ok(hold),
+            Kept::Again(again) => claim = again,
+            Kept::Refused(_) => {
                 let settings = &engine.settings;
                 let kind = settings.store.kind();
                 return Err(Delivered::Store(StoreError::timeout(kind, settings.lease)));
@@ -148,12 +163,11 @@ async fn held<'a, E>(
 }
 
 /// The key's outcome, for a delivery whose work ran while another took the key over: what a
-/// later delivery would get (waiting for the one that holds it), never this delivery's value,
-/// which was not stored.
-async fn superseded<E>(engine: &Engine, claim: &ClaimRequest, wait: Duration) -> Delivered<E> {
+/// later delivery would get (waiting for the one that holds it, claiming `again` as a new
+/// owner), never this delivery's value, which was not stored.
+async fn superseded_by<E>(engine: &Engine, again: &ClaimRequest, wait: Duration) -> Delivered<E> {
     tracing::info!("another delivery took the unit over: answering with the key's outcome");
-    let again = claim.reowned(engine.owner_token());
-    match claimed(engine, &again, wait).await {
+    match claimed(engine, again, wait).await {
         Err(delivered) => delivered,
         // The key is free again (released, or swept): give it back; nothing is the key's.
         Ok(grant) => {
@@ -165,33 +179,6 @@ async fn superseded<E>(engine: &Engine, claim: &ClaimRequest, wait: Duration) ->
             Delivered::Superseded
         }
     }
-}
-
-/// Finalizes the key (retrying with it held while the store fails) and wakes this process's
-/// deliveries waiting on it; how the finalize ended.
-async fn settle(
-    engine: &Engine,
-    lease: &Lease,
-    stored: &StoredResponse,
-    completion: Completion,
-    keeper: Keeper<'_>,
-) -> Finalized {
-    let finalizing = Finalizing {
-        lease,
-        response: stored,
-        completion,
-        keeper: &keeper,
-    };
-    let mut finalized = settle::finalize(engine, finalizing).await;
-    if let Finalized::Failing = finalized {
-        let later = settle::finalize_later(engine, finalizing);
-        finalized = Box::pin(later).await;
-    }
-    drop(keeper);
-    if let Finalized::Done = finalized {
-        engine.state.waiters.wake(lease.record());
-    }
-    finalized
 }
 
 /// The grant of an acquired claim, or what this delivery gets instead of running the work.
@@ -258,7 +245,7 @@ async fn in_transaction<F, E>(
 where
     F: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
 {
-    use crate::store::unit::{self, Seen};
+    use crate::store::postgres::unit::{self, Seen};
     let settings = &engine.settings;
     let deadline = Instant::now() + wait;
     let mut work = Some(work);
@@ -311,7 +298,7 @@ async fn work_and_commit<F, E>(
 where
     F: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
 {
-    use crate::store::unit;
+    use crate::store::postgres::unit;
     let started = Instant::now();
     let outcome = match work(&mut tx).await {
         Ok(outcome) => outcome,
@@ -346,8 +333,8 @@ async fn fresh<F, E>(
 where
     F: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
 {
-    use crate::store::unit;
-    let mut held = match unit::Held::acquire(pool).await {
+    use crate::store::postgres::unit;
+    let mut held = match unit::DeliveryConnection::acquire(pool).await {
         Ok(held) => held,
         Err(error) => return Some(Delivered::Store(error)),
     };
@@ -368,7 +355,7 @@ where
 #[cfg(feature = "postgres")]
 async fn begin_and_run<F, E>(
     engine: &Engine,
-    held: &mut crate::store::unit::Held,
+    held: &mut crate::store::postgres::unit::DeliveryConnection,
     unit: (&RecordKey, &Fingerprint),
     work: &mut Option<F>,
 ) -> Result<Option<Delivered<E>>, sqlx::Error>
@@ -376,7 +363,7 @@ where
     F: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
 {
     use sqlx::Connection;
-    let begin = crate::store::unit::begin_when_free(unit.0, engine.settings.lease);
+    let begin = crate::store::postgres::unit::begin_when_free(unit.0, engine.settings.lease);
     let tx = held.connection().begin_with(begin).await?;
     let Some(work) = work.take() else {
         return Ok(None);
@@ -387,8 +374,8 @@ where
 /// What a delivery gets from a key another delivery ran, or holds (in this mode, for up to
 /// `lease` between its statements).
 #[cfg(feature = "postgres")]
-fn already<E>(seen: crate::store::unit::Seen, lease: Duration) -> Delivered<E> {
-    use crate::store::unit::Seen;
+fn already<E>(seen: crate::store::postgres::unit::Seen, lease: Duration) -> Delivered<E> {
+    use crate::store::postgres::unit::Seen;
     match seen {
         Seen::Completed(response) if response.status() == StatusCode::OK => {
             Delivered::Replayed(response.body().cloned().unwrap_or_default())
@@ -484,10 +471,10 @@ async fn batch<W, E>(
 where
     W: AsyncFnOnce(&mut sqlx::PgConnection) -> Result<Bytes, E>,
 {
-    use crate::store::unit;
+    use crate::store::postgres::unit;
     use sqlx::Connection;
     let settings = &engine.settings;
-    let mut held = match unit::Held::acquire(pool).await {
+    let mut held = match unit::DeliveryConnection::acquire(pool).await {
         Ok(held) => held,
         Err(error) => return Batch::Unreachable(error),
     };
@@ -563,7 +550,7 @@ async fn write_rows(
     units: &[(RecordKey, Fingerprint)],
     executed: &[(usize, Bytes)],
 ) -> bool {
-    let rows: Vec<crate::store::unit::Written<'_>> = (executed.iter())
+    let rows: Vec<crate::store::postgres::unit::Written<'_>> = (executed.iter())
         .map(|(i, outcome)| {
             let (record, fingerprint) = &units[*i];
             (
@@ -574,7 +561,7 @@ async fn write_rows(
         })
         .collect();
     let retention = engine.settings.retention;
-    match crate::store::unit::complete_batch(tx, &rows, retention).await {
+    match crate::store::postgres::unit::complete_batch(tx, &rows, retention).await {
         Ok(written) => written,
         Err(error) => {
             tracing::debug!(%error, "a batch's rows: each unit's key says how it ended");

@@ -1,5 +1,5 @@
-//! Duplicates that wait for the first request with their key, and what to tell them if they
-//! cannot.
+//! Duplicates that wait for the first request with their key: for how long, how they are woken,
+//! and what to tell them if they cannot.
 
 use std::{
     collections::HashMap,
@@ -10,12 +10,53 @@ use std::{
     time::Duration,
 };
 
+use http::HeaderMap;
 use tokio::sync::Notify;
 
 use crate::{
+    grpc, headers,
+    settings::Settings,
     store::RecordKey,
     stripes::{self, Padded, STRIPES},
 };
+
+/// How long a duplicate may wait for the first request with its key, and whether that is the
+/// request's own preference.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Wait {
+    pub(super) budget: Duration,
+    /// The request asked (`Prefer: wait=N`) and the layer honors it.
+    preferred: bool,
+}
+
+impl Wait {
+    /// The request's preference up to the layer's maximum, or the layer's budget; within the
+    /// deadline a gRPC caller announced (`grpc-timeout`).
+    pub(super) fn of(settings: &Settings, headers: &HeaderMap) -> Self {
+        let preferred = headers::preferred_wait(headers);
+        let budget = preferred.map_or(settings.wait, |wait| wait.min(settings.max_wait));
+        let budget = match grpc::deadline(headers) {
+            // Leave the caller a fifth of its deadline to read the answer.
+            Some(deadline) => budget.min(deadline * 4 / 5),
+            None => budget,
+        };
+        Self {
+            budget,
+            preferred: preferred.is_some(),
+        }
+    }
+
+    /// Says on the layer's own answer that the preference was honored, and for how long.
+    pub(super) fn applied<B>(self, answer: &mut http::Response<B>) {
+        if self.preferred {
+            let applied = format!("wait={}", self.budget.as_secs());
+            let value = http::HeaderValue::try_from(applied).expect("digits");
+            answer
+                .headers_mut()
+                .insert(headers::PREFERENCE_APPLIED, value);
+        }
+    }
+}
 
 /// The keys this process's requests are waiting on, each with a notification their owner (on
 /// this process) fires once it has finalized the key. Requests waiting on an owner elsewhere in
@@ -28,14 +69,14 @@ pub(crate) struct Waiters {
 }
 
 /// A waiter's interest in one key; the entry goes when the last waiter does.
-pub(crate) struct Watch<'a> {
+pub(crate) struct Interest<'a> {
     waiters: &'a Waiters,
     record: &'a RecordKey,
     notify: Arc<Notify>,
 }
 
 impl Waiters {
-    pub(crate) fn watch<'a>(&'a self, record: &'a RecordKey) -> Watch<'a> {
+    pub(crate) fn interest<'a>(&'a self, record: &'a RecordKey) -> Interest<'a> {
         let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         let notify = match keys.get(record).and_then(Weak::upgrade) {
             Some(notify) => notify,
@@ -46,7 +87,7 @@ impl Waiters {
                 notify
             }
         };
-        Watch {
+        Interest {
             waiters: self,
             record,
             notify,
@@ -65,13 +106,13 @@ impl Waiters {
     }
 }
 
-impl Watch<'_> {
+impl Interest<'_> {
     pub(crate) fn notify(&self) -> &Notify {
         &self.notify
     }
 }
 
-impl Drop for Watch<'_> {
+impl Drop for Interest<'_> {
     fn drop(&mut self) {
         let mut keys = self
             .waiters
@@ -214,8 +255,8 @@ mod tests {
         let waiters = Waiters::default();
         let record = RecordKey::new("s", IdempotencyKey::try_from("k").unwrap());
         {
-            let watch = waiters.watch(&record);
-            let notified = watch.notify().notified();
+            let interest = waiters.interest(&record);
+            let notified = interest.notify().notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             waiters.wake(&record);

@@ -13,8 +13,9 @@ use std::{
 use tokio::time::Instant;
 
 use super::{
-    Abandoned, BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo,
-    RecordKey, Store, StoreError,
+    claim::{ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey},
+    contract::{BoxFuture, Front, Store},
+    error::StoreError,
 };
 use crate::{fingerprint::Fingerprint, response::StoredResponse};
 
@@ -34,8 +35,8 @@ pub const DEFAULT_CACHE_MAX_BYTES: usize = 16 * 1024 * 1024;
 /// whole staleness this adds: an answer the store no longer holds (an operator forgot the key
 /// from another process, the retention ended, the store lost its data) is served for at most
 /// that long, here, and only to a request with the same fingerprint; a request that differs
-/// goes to the store. Forgetting a key through this store forgets it here at once. Everything
-/// but the replay goes to the inner store: a fresh key, a key in flight, a request that differs,
+/// goes to the store. [`forget`](Self::forget) forgets a key here at once and in the store;
+/// the operator's paths ([`Store::offers`]) are the inner store's. Everything but the replay goes to the inner store: a fresh key, a key in flight, a request that differs,
 /// and every write; a fresh key costs one lookup in a map, no round trip.
 ///
 /// Off unless the application wraps its store: the bound is a promise the application makes
@@ -462,15 +463,6 @@ impl<S: Store> Store for CachedStore<S> {
         Box::pin(self.claimed(request, || self.inner.claim(request)))
     }
 
-    /// In front of an authority too: the inner store's own claim in front (no script on
-    /// Redis), with the same answers kept and served.
-    fn claim_in_front<'a>(
-        &'a self,
-        request: &'a ClaimRequest,
-    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
-        Box::pin(self.claimed(request, || self.inner.claim_in_front(request)))
-    }
-
     fn renew<'a>(
         &'a self,
         lease: &'a Lease,
@@ -504,60 +496,35 @@ impl<S: Store> Store for CachedStore<S> {
         self.inner.release(lease)
     }
 
-    fn kind(&self) -> &'static str {
-        self.inner.kind()
+    /// Its kind, tombstones, detached twin (renewals are not cached) and [`Admin`](super::Admin) are the
+    /// inner store's: a key forgotten through it is forgotten here at the bound, as one
+    /// forgotten from another process; [`CachedStore::forget`] forgets it here at once.
+    fn wrapped(&self) -> Option<&dyn Store> {
+        Some(&self.inner)
     }
+}
 
-    fn tombstone_horizon(&self) -> Duration {
-        self.inner.tombstone_horizon()
-    }
-
-    fn inspect<'a>(
-        &'a self,
-        record: &'a RecordKey,
-    ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
-        self.inner.inspect(record)
-    }
-
-    fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.lock().remove(record);
-        self.inner.forget(record)
-    }
-
-    fn stuck<'a>(
-        &'a self,
-        older_than: Duration,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
-        self.inner.stuck(older_than, limit)
-    }
-
-    fn adopt<'a>(
+/// In front of an authority too: the inner store's own claim in front (no script on Redis),
+/// with the same answers kept and served.
+impl<S: Front> Front for CachedStore<S> {
+    fn claim_in_front<'a>(
         &'a self,
         request: &'a ClaimRequest,
-        response: &'a StoredResponse,
-        retention: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.adopt(request, response, retention)
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        Box::pin(self.claimed(request, || self.inner.claim_in_front(request)))
     }
+}
 
-    fn abandoned<'a>(&'a self, limit: usize) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>> {
-        self.inner.abandoned(limit)
-    }
-
-    fn note_unfinished<'a>(
-        &'a self,
-        record: &'a RecordKey,
-        why: &'a str,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        self.inner.note_unfinished(record, why)
-    }
-
-    fn detached(&self) -> Option<Arc<dyn Store>> {
-        self.inner.detached()
-    }
-
-    fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
-        self.inner.diagnose()
+impl<S: Store> CachedStore<S> {
+    /// Forgets `record` here at once, and in the inner store ([`Admin::forget`](super::Admin::forget)): whether the
+    /// inner store held something. An inner store that offers no [`Admin`](super::Admin) answers
+    /// [`StoreError::Unsupported`].
+    pub async fn forget(&self, record: &RecordKey) -> Result<bool, StoreError> {
+        self.lock().remove(record);
+        let admin = self.inner.offers().admin.ok_or(StoreError::Unsupported {
+            store: self.inner.kind(),
+            operation: "forget",
+        })?;
+        admin.forget(record).await
     }
 }

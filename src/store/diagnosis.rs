@@ -1,8 +1,6 @@
-//! What an operator should know about the servers a store runs on: [`Store::diagnose`].
+//! What an operator should know about the servers a store runs on: [`Admin::diagnose`](super::Admin::diagnose).
 
 use std::fmt;
-
-use super::Store;
 
 /// How much a [`Finding`] matters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -33,7 +31,7 @@ impl Severity {
 pub struct Finding {
     /// How much it matters.
     pub severity: Severity,
-    /// The store it is about ([`Store::kind`]).
+    /// The store it is about ([`Store::kind`](super::Store::kind)).
     pub store: &'static str,
     /// What was checked, a stable name: `version`, `maxmemory-policy`, `migrations`, …
     pub check: &'static str,
@@ -72,10 +70,10 @@ impl fmt::Display for Finding {
     }
 }
 
-/// Everything [`Store::diagnose`] found, in the order it checked.
+/// Everything [`Admin::diagnose`](super::Admin::diagnose) found, in the order it checked.
 ///
 /// ```
-/// use tower_idempotency::{MemoryStore, store::{Severity, Store}};
+/// use tower_idempotency::{MemoryStore, store::{Admin, Severity}};
 ///
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let diagnosis = MemoryStore::new().diagnose().await;
@@ -126,7 +124,7 @@ impl Diagnosis {
     /// migrated stops the process with a clear error instead of answering every request 503:
     ///
     /// ```no_run
-    /// use tower_idempotency::store::{PostgresStore, Store};
+    /// use tower_idempotency::store::{Admin, PostgresStore};
     ///
     /// # async fn start(store: PostgresStore) {
     /// let diagnosis = store.diagnose().await;
@@ -188,12 +186,4 @@ impl fmt::Display for Diagnosis {
             .iter()
             .try_for_each(|finding| writeln!(f, "{finding}"))
     }
-}
-
-/// The default of [`Store::diagnose`]: a store that has no checks says so.
-pub(crate) fn unchecked(store: &(impl Store + ?Sized)) -> Diagnosis {
-    let mut diagnosis = Diagnosis::default();
-    let message = "this store has no checks of its own: diagnose its servers by their own means";
-    diagnosis.push(Severity::Warning, store.kind(), "checks", message);
-    diagnosis
 }

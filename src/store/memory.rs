@@ -11,8 +11,11 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::{
-    BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo, RecordKey,
-    RecordState, Severity, Store, StoreError,
+    claim::{ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey},
+    contract::{Admin, BoxFuture, Front, Offers, Store},
+    diagnosis::{Diagnosis, Severity},
+    error::StoreError,
+    views::{RecordInfo, RecordState},
 };
 use crate::{fingerprint::Fingerprint, response::StoredResponse};
 
@@ -455,6 +458,16 @@ impl Store for MemoryStore {
         "memory"
     }
 
+    fn offers(&self) -> Offers<'_> {
+        Offers::none().with_admin(self)
+    }
+}
+
+/// Any store may stand in front of an authority; the memory store claims there as it claims
+/// anywhere.
+impl Front for MemoryStore {}
+
+impl Admin for MemoryStore {
     fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
         let mut diagnosis = Diagnosis::default();
         let message = "one process only: instances that do not share it are not protected from \
@@ -576,6 +589,10 @@ mod tests {
     use http::{HeaderMap, StatusCode};
 
     crate::store_conformance_tests!(async { super::MemoryStore::new() });
+
+    mod admin {
+        crate::store_admin_conformance_tests!(async { super::super::MemoryStore::new() });
+    }
 
     mod with_tombstones {
         crate::store_tombstone_conformance_tests!(async {

@@ -9,8 +9,11 @@ use std::{
 };
 
 use super::{
-    Abandoned, BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo,
-    RecordKey, Severity, Store, StoreError,
+    claim::{ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey},
+    contract::{Admin, BoxFuture, Front, Offers, Store},
+    diagnosis::{Diagnosis, Severity},
+    error::StoreError,
+    views::RecordInfo,
 };
 use crate::response::StoredResponse;
 
@@ -19,7 +22,7 @@ use crate::response::StoredResponse;
 /// with one owner token across both.
 ///
 /// - **Claim**: the front answers replays at once (one round trip, a
-///   [`claim_in_front`](Store::claim_in_front): on Redis 7.0 and newer one `SET … NX GET`, no
+///   [`claim_in_front`](Front::claim_in_front): on Redis 7.0 and newer one `SET … NX GET`, no
 ///   script); when it acquires, says the
 ///   key is in flight or finds another request's record (a mismatch), the authority is asked,
 ///   and its answer stands (so a claim that reached a frozen Redis late never hides a key the
@@ -49,7 +52,7 @@ pub struct TieredStore<F, A> {
 /// How long the front is skipped after it fails, by default.
 pub const DEFAULT_BREAKER_COOLDOWN: Duration = Duration::from_secs(5);
 
-impl<F: Store, A: Store> TieredStore<F, A> {
+impl<F: Front, A: Store> TieredStore<F, A> {
     /// `front` in front of `authority`.
     ///
     /// ```no_run
@@ -160,7 +163,7 @@ impl<F: Store, A: Store> TieredStore<F, A> {
     }
 }
 
-impl<F: Store, A: Store> Store for TieredStore<F, A> {
+impl<F: Front, A: Store> Store for TieredStore<F, A> {
     fn claim<'a>(
         &'a self,
         request: &'a ClaimRequest,
@@ -276,21 +279,69 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
         Some(Arc::new(TieredStore::new(front, authority)))
     }
 
-    /// The authority's: it is the one that knows the key was committed.
-    fn adopt<'a>(
+    /// An operator's paths where the authority offers them (the truth is the authority's,
+    /// and a key is forgotten in both tiers); the authority's recovery, which knows what was
+    /// committed and abandoned.
+    fn offers(&self) -> Offers<'_> {
+        let authority = self.authority.offers();
+        Offers {
+            admin: authority.admin.map(|_| self as &dyn Admin),
+            ..authority
+        }
+    }
+}
+
+/// What each tier offers an operator, put together: the authority's records (the truth), a
+/// key forgotten in both tiers, both tiers' checks, and the authority's recovery.
+impl<F: Front, A: Store> Admin for TieredStore<F, A> {
+    /// The authority's record. [`TieredStore::inspect_tiers`] shows both.
+    fn inspect<'a>(
         &'a self,
-        request: &'a ClaimRequest,
-        response: &'a StoredResponse,
-        retention: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.authority.adopt(request, response, retention)
+        record: &'a RecordKey,
+    ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
+        Box::pin(async move {
+            (&self.authority as &dyn Store)
+                .admin_for("inspect")?
+                .inspect(record)
+                .await
+        })
+    }
+
+    /// Forgets the key in both tiers, the authority first.
+    fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let authority = (&self.authority as &dyn Store)
+                .admin_for("forget")?
+                .forget(record)
+                .await?;
+            let front = match self.front.offers().admin {
+                Some(front) => front.forget(record).await?,
+                None => false,
+            };
+            Ok(authority || front)
+        })
+    }
+
+    /// The authority's stuck keys.
+    fn stuck<'a>(
+        &'a self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
+        Box::pin(async move {
+            let authority = (&self.authority as &dyn Store).admin_for("stuck")?;
+            authority.stuck(older_than, limit).await
+        })
     }
 
     /// The front's findings, its risks lowered to warnings (the authority keeps the guarantee
     /// whatever the front loses: only the authority's load rises), then the authority's.
     fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
         Box::pin(async move {
-            let (front, authority) = tokio::join!(self.front.diagnose(), self.authority.diagnose());
+            let (front, authority) = tokio::join!(
+                Diagnosis::of_store(&self.front),
+                Diagnosis::of_store(&self.authority)
+            );
             let mut findings = front.findings;
             for finding in &mut findings {
                 if finding.severity == Severity::Risk {
@@ -314,48 +365,9 @@ impl<F: Store, A: Store> Store for TieredStore<F, A> {
             diagnosis
         })
     }
-
-    /// The authority's record: the truth. [`TieredStore::inspect_tiers`] shows both.
-    fn inspect<'a>(
-        &'a self,
-        record: &'a RecordKey,
-    ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
-        self.authority.inspect(record)
-    }
-
-    /// Forgets the key in both tiers, the authority first.
-    fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(async move {
-            let authority = self.authority.forget(record).await?;
-            let front = self.front.forget(record).await?;
-            Ok(authority || front)
-        })
-    }
-
-    /// The authority's stuck keys.
-    fn stuck<'a>(
-        &'a self,
-        older_than: Duration,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
-        self.authority.stuck(older_than, limit)
-    }
-
-    /// The authority's abandoned keys: the truth.
-    fn abandoned<'a>(&'a self, limit: usize) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>> {
-        self.authority.abandoned(limit)
-    }
-
-    fn note_unfinished<'a>(
-        &'a self,
-        record: &'a RecordKey,
-        why: &'a str,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        self.authority.note_unfinished(record, why)
-    }
 }
 
-impl<F: Store, A: Store> TieredStore<F, A> {
+impl<F: Front, A: Store> TieredStore<F, A> {
     /// What each tier holds for `record`: the front's, then the authority's.
     pub async fn inspect_tiers(
         &self,
@@ -364,7 +376,8 @@ impl<F: Store, A: Store> TieredStore<F, A> {
         Result<Option<RecordInfo>, StoreError>,
         Result<Option<RecordInfo>, StoreError>,
     ) {
-        tokio::join!(self.front.inspect(record), self.authority.inspect(record))
+        let inspect = async |store: &dyn Store| store.admin_for("inspect")?.inspect(record).await;
+        tokio::join!(inspect(&self.front), inspect(&self.authority))
     }
 }
 
@@ -477,6 +490,15 @@ mod tests {
                 crate::store::MemoryStore::new(),
             )
         });
+
+        mod admin {
+            crate::store_admin_conformance_tests!(async {
+                super::super::super::TieredStore::new(
+                    crate::store::MemoryStore::new(),
+                    crate::store::MemoryStore::new(),
+                )
+            });
+        }
     }
 
     /// A memory store that can be switched off, and counts its calls.
@@ -536,6 +558,8 @@ mod tests {
             })
         }
     }
+
+    impl Front for Switchable {}
 
     fn request(key: &str) -> ClaimRequest {
         crate::conformance::claim_request("s", key, "", Duration::from_secs(30))

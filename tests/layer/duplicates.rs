@@ -300,7 +300,9 @@ async fn replays_pass_through_the_applications_hook() {
         parts
             .headers
             .insert("x-replay", http::HeaderValue::from_static("1"));
-        parts.headers.remove("idempotent-replayed");
+        parts
+            .headers
+            .remove(tower_idempotency::headers::IDEMPOTENT_REPLAYED);
     });
     let probe = Probe::gated();
     probe.release_gate();

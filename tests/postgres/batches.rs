@@ -49,8 +49,7 @@ impl Written {
 /// 99 free held keys complete and the 20 taken over are lost while the lock is held (one lock
 /// never holds up the batch); the locked one completes once it is released; every row is as a
 /// single completion would have left it; and the completions went out in batches.
-#[tokio::test]
-async fn completions_go_out_together_and_each_key_gets_its_own_answer() {
+pub(crate) async fn completions_go_out_together_and_each_key_gets_its_own_answer() {
     let (written, _guard) = debug_events();
     let schema = TestSchema::new().await;
     // 4 connections: one lane, so that completions queue behind each other.
@@ -128,8 +127,7 @@ async fn completions_go_out_together_and_each_key_gets_its_own_answer() {
 /// Claims of every kind sent at once through one lane: fresh keys, two claims of one fresh
 /// key, a completed key, a key in flight, another request with a completed key's key, and an
 /// expired key. Each gets the answer a claim sent alone gets, and they went out in batches.
-#[tokio::test]
-async fn claims_go_out_together_and_each_gets_its_own_answer() {
+pub(crate) async fn claims_go_out_together_and_each_gets_its_own_answer() {
     use tower_idempotency::conformance::claim_request as claim_of;
     let (written, _guard) = debug_events();
     let schema = TestSchema::new().await;
@@ -251,8 +249,7 @@ where
 /// owner, one whose row another transaction holds. Each gets the answer a renewal alone gets
 /// (held, lost, busy: a renewal never waits on a lock), the held leases are renewed at the
 /// destination, and the renewals went out in batches.
-#[tokio::test]
-async fn renewals_go_out_together_and_each_gets_its_own_answer() {
+pub(crate) async fn renewals_go_out_together_and_each_gets_its_own_answer() {
     let (written, _guard) = debug_events();
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone()).with_max_connections(4);
@@ -294,8 +291,7 @@ async fn renewals_go_out_together_and_each_gets_its_own_answer() {
 /// committed ones answer committed and are kept, those with progress keep their row with the
 /// lease ended; the locked one waits for its lock without holding up the others; and the
 /// releases went out in batches.
-#[tokio::test]
-async fn releases_go_out_together_and_each_gets_its_own_answer() {
+pub(crate) async fn releases_go_out_together_and_each_gets_its_own_answer() {
     let (written, _guard) = debug_events();
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone()).with_max_connections(4);
@@ -366,8 +362,7 @@ async fn releases_go_out_together_and_each_gets_its_own_answer() {
 /// go out alone without a window (a transaction each) and together within one (one
 /// transaction for all, counted at the destination by the rows' `xmin`), the first answered
 /// only once the window is over.
-#[tokio::test]
-async fn claims_within_the_batch_window_share_one_transaction() {
+pub(crate) async fn claims_within_the_batch_window_share_one_transaction() {
     let schema = TestSchema::new().await;
     for (window, transactions) in [(Duration::ZERO, 8), (Duration::from_millis(300), 1)] {
         let store = PostgresStore::new(schema.pool.clone())
@@ -412,8 +407,7 @@ async fn claims_within_the_batch_window_share_one_transaction() {
 
 /// A full batch does not wait out the window: four claims at once through a store of batches
 /// of four and a window of 4 s are answered long before it ends, in one transaction.
-#[tokio::test]
-async fn a_full_batch_goes_before_its_window_ends() {
+pub(crate) async fn a_full_batch_goes_before_its_window_ends() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone())
         .with_max_connections(4)

@@ -146,8 +146,8 @@ fn payment(key: &str, credentials: &str, body: &'static str) -> Request<Body> {
 /// under the original scope (the caller's credentials were not kept; the scope came with the
 /// key). A retry arriving while the completer runs it waits and gets that same answer, and so
 /// does a later one. Before the completer, the payment stayed `pending`.
-#[tokio::test]
-async fn the_completer_finishes_a_payment_nobody_retried_once_with_a_retrys_guarantees() {
+pub(crate) async fn the_completer_finishes_a_payment_nobody_retried_once_with_a_retrys_guarantees()
+{
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let app = Payments::new(&schema, Duration::from_millis(500)).await;
@@ -183,7 +183,10 @@ async fn the_completer_finishes_a_payment_nobody_retried_once_with_a_retrys_guar
     );
 
     assert_eq!(retry.status(), StatusCode::CREATED);
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        retry.headers()[tower_idempotency::headers::IDEMPOTENT_REPLAYED],
+        "true"
+    );
     let retried: serde_json::Value =
         serde_json::from_slice(&retry.into_body().collect().await.unwrap().to_bytes()).unwrap();
     assert_eq!(
@@ -207,7 +210,10 @@ async fn the_completer_finishes_a_payment_nobody_retried_once_with_a_retrys_guar
         .oneshot(payment("k-1", "Bearer alice", BODY))
         .await
         .unwrap();
-    assert_eq!(later.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        later.headers()[tower_idempotency::headers::IDEMPOTENT_REPLAYED],
+        "true"
+    );
     let round = layer.completer(router).run_once().await.unwrap();
     assert_eq!(round.found, 0, "{round:?}");
     assert_eq!(app.charges()["k-1"], 1);
@@ -216,8 +222,7 @@ async fn the_completer_finishes_a_payment_nobody_retried_once_with_a_retrys_guar
 
 /// Four instances, each with its completer, all running at once over 12 abandoned payments:
 /// every payment is finished, and charged once.
-#[tokio::test]
-async fn completers_on_four_instances_finish_each_key_once() {
+pub(crate) async fn completers_on_four_instances_finish_each_key_once() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let app = Payments::new(&schema, Duration::from_millis(50)).await;
@@ -257,8 +262,7 @@ async fn completers_on_four_instances_finish_each_key_once() {
 
 /// A route that keeps no requests cannot be resumed: the completer leaves the key alone (the
 /// handler never runs again) and says why on it, in the admin listing.
-#[tokio::test]
-async fn a_key_without_a_kept_request_is_left_alone_and_said_why() {
+pub(crate) async fn a_key_without_a_kept_request_is_left_alone_and_said_why() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let app = Payments::new(&schema, Duration::ZERO).await;
@@ -306,8 +310,8 @@ async fn a_key_without_a_kept_request_is_left_alone_and_said_why() {
 /// A key committed without an answer (plain `commit`, then its instance died) is answered by
 /// the recovery hook from the completer, with nobody retrying: stored once, then replayed to a
 /// later retry without asking the hook again.
-#[tokio::test]
-async fn the_completer_answers_a_key_committed_without_an_answer_with_the_recovery_hook() {
+pub(crate) async fn the_completer_answers_a_key_committed_without_an_answer_with_the_recovery_hook()
+{
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let asked = Arc::new(AtomicUsize::new(0));
@@ -347,7 +351,10 @@ async fn the_completer_answers_a_key_committed_without_an_answer_with_the_recove
         )
         .await
         .unwrap();
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        retry.headers()[tower_idempotency::headers::IDEMPOTENT_REPLAYED],
+        "true"
+    );
     let body = retry.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body, "pay_rebuilt");
     assert_eq!(asked.load(SeqCst), 1, "stored once, then replayed");
@@ -356,8 +363,7 @@ async fn the_completer_answers_a_key_committed_without_an_answer_with_the_recove
 
 /// A resumed handler that fails again (its provider still down) leaves the key unfinished: the
 /// round says so, the key says why, and the next round finishes it, charged once.
-#[tokio::test]
-async fn a_resumed_handler_that_fails_again_is_noted_and_finished_next_round() {
+pub(crate) async fn a_resumed_handler_that_fails_again_is_noted_and_finished_next_round() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let mut app = Payments::new(&schema, Duration::ZERO).await;
@@ -393,8 +399,7 @@ async fn a_resumed_handler_that_fails_again_is_noted_and_finished_next_round() {
 
 /// A recovery hook that panics fails its key only: the same round finishes the other key, the
 /// failed one says why, and the completer goes on to its next round.
-#[tokio::test]
-async fn a_panicking_recovery_hook_fails_its_key_only() {
+pub(crate) async fn a_panicking_recovery_hook_fails_its_key_only() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let layer = IdempotencyLayer::new(store.clone())

@@ -2,8 +2,7 @@
 
 use super::*;
 
-#[tokio::test]
-async fn the_fence_refuses_a_stale_owner_and_is_idempotent_for_the_current_one() {
+pub(crate) async fn the_fence_refuses_a_stale_owner_and_is_idempotent_for_the_current_one() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let stale = claim_request("k-fence", Duration::from_millis(200));
@@ -43,8 +42,7 @@ async fn the_fence_refuses_a_stale_owner_and_is_idempotent_for_the_current_one()
     schema.drop().await;
 }
 
-#[tokio::test]
-async fn a_committed_key_whose_owner_died_never_runs_again() {
+pub(crate) async fn a_committed_key_whose_owner_died_never_runs_again() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let request = claim_request("k-orphan", Duration::from_millis(200));
@@ -129,8 +127,7 @@ async fn post_payment(app: &Router, key: &str) -> (StatusCode, HeaderMap, String
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_handler_that_lost_its_lease_cannot_commit_a_second_payment() {
+pub(crate) async fn a_stalled_handler_that_lost_its_lease_cannot_commit_a_second_payment() {
     let schema = TestSchema::new().await;
     sqlx::query("CREATE TABLE payments (key text NOT NULL, attempt int NOT NULL)")
         .execute(&schema.pool)
@@ -167,7 +164,10 @@ async fn a_stalled_handler_that_lost_its_lease_cannot_commit_a_second_payment() 
     // got the key's real answer instead of that.
     let (status, headers, body) = first.await.unwrap();
     assert_eq!((status, body.as_str()), (StatusCode::CREATED, "attempt 2"));
-    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(
+        headers[tower_idempotency::headers::IDEMPOTENT_REPLAYED],
+        "true"
+    );
 
     let rows: Vec<(String, i32)> = sqlx::query_as("SELECT key, attempt FROM payments")
         .fetch_all(&schema.pool)
@@ -182,13 +182,15 @@ async fn a_stalled_handler_that_lost_its_lease_cannot_commit_a_second_payment() 
 
     let (status, headers, body) = post_payment(&healthy, "pay-once").await;
     assert_eq!((status, body.as_str()), (StatusCode::CREATED, "attempt 2"));
-    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(
+        headers[tower_idempotency::headers::IDEMPOTENT_REPLAYED],
+        "true"
+    );
     assert_eq!(state.attempts.load(SeqCst), 2);
     schema.drop().await;
 }
 
-#[tokio::test]
-async fn a_committed_key_is_completed_whatever_the_response() {
+pub(crate) async fn a_committed_key_is_completed_whatever_the_response() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let runs = Arc::new(AtomicUsize::new(0));
@@ -218,13 +220,15 @@ async fn a_committed_key_is_completed_whatever_the_response() {
     assert_eq!(send().await.status(), StatusCode::SERVICE_UNAVAILABLE);
     let retry = send().await;
     assert_eq!(retry.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        retry.headers()[tower_idempotency::headers::IDEMPOTENT_REPLAYED],
+        "true"
+    );
     assert_eq!(runs.load(SeqCst), 1);
     schema.drop().await;
 }
 
-#[tokio::test]
-async fn an_orphaned_key_answers_outcome_unknown_through_the_layer() {
+pub(crate) async fn an_orphaned_key_answers_outcome_unknown_through_the_layer() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let runs = Arc::new(AtomicUsize::new(0));
@@ -262,8 +266,7 @@ async fn an_orphaned_key_answers_outcome_unknown_through_the_layer() {
 /// header (`Vary`) is stored as the layer stores it, with the request's value of that header, so
 /// a retry that meets it (here before the handler even returned) is replayed, not refused 406;
 /// and the layer's completion keeps it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_answer_stored_with_the_fence_is_the_one_every_retry_gets() {
+pub(crate) async fn an_answer_stored_with_the_fence_is_the_one_every_retry_gets() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let pool = schema.pool.clone();
@@ -305,7 +308,10 @@ async fn an_answer_stored_with_the_fence_is_the_one_every_retry_gets() {
         StatusCode::CREATED,
         "the answer stored with the fence"
     );
-    assert_eq!(early.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        early.headers()[tower_idempotency::headers::IDEMPOTENT_REPLAYED],
+        "true"
+    );
     let first = first.await.unwrap().unwrap();
     assert_eq!(first.status(), StatusCode::CREATED);
     let late = app.clone().oneshot(request()).await.unwrap();
@@ -318,8 +324,7 @@ async fn an_answer_stored_with_the_fence_is_the_one_every_retry_gets() {
 /// The fence's retention counts from the fence, not from the start of the handler's
 /// transaction: a key fenced at the end of a long transaction (1.5 s of work here) and never
 /// completed (its instance died) keeps its answer for the whole retention after the commit.
-#[tokio::test]
-async fn the_fences_retention_counts_from_the_commit_not_the_transactions_start() {
+pub(crate) async fn the_fences_retention_counts_from_the_commit_not_the_transactions_start() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let request = claim_request("long-transaction", Duration::from_secs(3));
@@ -352,8 +357,7 @@ async fn the_fences_retention_counts_from_the_commit_not_the_transactions_start(
 /// without a write (the row's version, its `xmin`, is the one the fence wrote), `inspect` calls
 /// it completed, and a retry gets the answer stored with the fence. A stale owner's completion
 /// of it is still lost. Before, the completion wrote the row a second time.
-#[tokio::test]
-async fn completing_a_key_committed_with_its_answer_writes_nothing() {
+pub(crate) async fn completing_a_key_committed_with_its_answer_writes_nothing() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let stale = acquire(&store, &claim_request("k", Duration::from_millis(100))).await;

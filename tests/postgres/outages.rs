@@ -24,8 +24,7 @@ async fn order(app: &Router, key: &str) -> Response {
     app.clone().oneshot(request).await.unwrap().into_response()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_database_that_is_down_means_503_and_no_execution_until_it_returns() {
+pub(crate) async fn a_database_that_is_down_means_503_and_no_execution_until_it_returns() {
     let mut cluster = PgCluster::start().await;
     let pool = pool_in_schema(&cluster.url(), "public").await;
     let store = PostgresStore::new(pool).with_timeout(Duration::from_secs(3));
@@ -70,15 +69,14 @@ async fn a_database_that_is_down_means_503_and_no_execution_until_it_returns() {
     assert_eq!(response.status(), StatusCode::CREATED);
     let replay = order(&app, "before").await;
     assert_eq!(
-        replay.headers()["idempotent-replayed"],
+        replay.headers()[tower_idempotency::headers::IDEMPOTENT_REPLAYED],
         "true",
         "the completed key was lost"
     );
     assert_eq!(runs.load(SeqCst), 2);
 }
 
-#[tokio::test]
-async fn busy_store_connections_are_a_fast_503_and_the_application_pool_is_untouched() {
+pub(crate) async fn busy_store_connections_are_a_fast_503_and_the_application_pool_is_untouched() {
     let schema = TestSchema::new().await;
     // The application's pool has one connection, which the application holds.
     let pool = sqlx::postgres::PgPoolOptions::new()
@@ -131,8 +129,7 @@ async fn busy_store_connections_are_a_fast_503_and_the_application_pool_is_untou
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_the_client_gave_up_on_never_acquires_later() {
+pub(crate) async fn a_claim_the_client_gave_up_on_never_acquires_later() {
     let schema = TestSchema::new().await;
     // One connection, which has run the claim before: its statement is prepared, so the claim
     // is sent whole and waits on the lock in the server.
@@ -180,8 +177,7 @@ async fn a_claim_the_client_gave_up_on_never_acquires_later() {
 /// again at once: the next claims all succeed. A connection that failed with "terminating
 /// connection due to administrator command" was taken back as still usable (a database error),
 /// failed again with EOF, and most of the next new keys got 503.
-#[tokio::test]
-async fn terminated_connections_are_never_lent_again_and_claims_go_on() {
+pub(crate) async fn terminated_connections_are_never_lent_again_and_claims_go_on() {
     let schema = TestSchema::new().await;
     let (pool, application) = named_pool(&schema, "terminated").await;
     let store = PostgresStore::new(pool.clone());
@@ -328,8 +324,8 @@ fn assert_once_each(seen: &UnderLoad, runs: &std::collections::HashMap<String, u
 
 /// Postgres restarts (`pg_ctl restart -m fast`: every session terminated) while 16 callers send
 /// fresh keys: no key runs twice, and no request sent once it answers again gets a 503.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_postgres_restart_under_load_runs_nothing_twice_and_503s_end_when_it_answers() {
+pub(crate) async fn a_postgres_restart_under_load_runs_nothing_twice_and_503s_end_when_it_answers()
+{
     let mut cluster = PgCluster::start().await;
     let store = PostgresStore::new(pool_in_schema(&cluster.url(), "public").await);
     let (seen, runs) = under_load(store, cluster.restart_server()).await;
@@ -341,8 +337,8 @@ async fn a_postgres_restart_under_load_runs_nothing_twice_and_503s_end_when_it_a
 /// is promoted and the address the store uses moves to it (a virtual IP or DNS name): no key
 /// runs twice, keys in flight complete on the new primary, and no request sent once it answers
 /// gets a 503.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_postgres_failover_under_load_runs_nothing_twice_and_503s_end_when_it_answers() {
+pub(crate) async fn a_postgres_failover_under_load_runs_nothing_twice_and_503s_end_when_it_answers()
+{
     let mut primary = PgCluster::start().await;
     let standby = primary.start_standby().await;
     let address = FaultProxy::start(vec![primary.address()], vec![Fault::None]).await;
@@ -361,8 +357,7 @@ async fn a_postgres_failover_under_load_runs_nothing_twice_and_503s_end_when_it_
 /// A server with every connection slot taken by other processes ("too many clients") is
 /// backpressure: a claim waits for a slot, within the store's timeout, and acquires once one is
 /// free. It failed at once with "sorry, too many clients already", answered 503.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_out_of_connections_is_waited_for_within_the_timeout() {
+pub(crate) async fn a_server_out_of_connections_is_waited_for_within_the_timeout() {
     use sqlx::Connection;
     let mut cluster = PgCluster::start().await;
     let mut admin = sqlx::PgConnection::connect(&cluster.url()).await.unwrap();

@@ -15,8 +15,7 @@ use super::*;
 /// fast path, in one of a few transactions: PostgreSQL moves a lock to the shared table while
 /// any session holds a strong lock on a relation of the same lock partition, and the other
 /// tests' schemas are created and dropped beside this one.
-#[tokio::test]
-async fn a_key_lookup_on_the_partitioned_table_takes_only_fast_path_locks() {
+pub(crate) async fn a_key_lookup_on_the_partitioned_table_takes_only_fast_path_locks() {
     const FAST_PATH_SLOTS: i64 = 16;
     let schema = TestSchema::new().await;
     partition(&schema.pool).await;
@@ -81,8 +80,7 @@ async fn relation_locks_of_a_lookup(connection: &mut sqlx::PgConnection) -> (i64
 /// On the partitioned table: rows spread over the partitions, the fence commits and stores its
 /// response, the sweeper deletes expired rows in every partition, the admin operations find
 /// keys; and the table is partitioned (the test would pass on a plain one otherwise).
-#[tokio::test]
-async fn the_fence_the_sweeper_and_the_admin_work_on_the_partitioned_table() {
+pub(crate) async fn the_fence_the_sweeper_and_the_admin_work_on_the_partitioned_table() {
     let schema = TestSchema::new().await;
     partition(&schema.pool).await;
     partition(&schema.pool).await;

@@ -5,8 +5,7 @@ use super::*;
 /// Recovery points: advanced in the handler's own transaction, fenced; kept when the owner
 /// dies (the sweeper leaves the row); resumed only by the request the key was claimed for; and a
 /// key with progress is never deleted by a release, only left for the next attempt.
-#[tokio::test]
-async fn recovery_points_outlive_their_owner_and_resume_only_for_the_same_request() {
+pub(crate) async fn recovery_points_outlive_their_owner_and_resume_only_for_the_same_request() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let short = Duration::from_millis(200);
@@ -97,8 +96,7 @@ async fn recovery_points_outlive_their_owner_and_resume_only_for_the_same_reques
 /// With a recovery hook, a key committed by an owner that died before storing an answer gets
 /// the answer the application rebuilds from its own rows, stored and replayed, instead of 24 h of
 /// outcome-unknown; the hook runs once.
-#[tokio::test]
-async fn the_recovery_hook_answers_a_key_committed_without_an_answer() {
+pub(crate) async fn the_recovery_hook_answers_a_key_committed_without_an_answer() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let runs = Arc::new(AtomicUsize::new(0));
@@ -149,7 +147,10 @@ async fn the_recovery_hook_answers_a_key_committed_without_an_answer() {
     for _ in 0..2 {
         let response = send().await.unwrap();
         assert_eq!(response.status(), StatusCode::CREATED);
-        assert_eq!(response.headers()["idempotent-replayed"], "true");
+        assert_eq!(
+            response.headers()[tower_idempotency::headers::IDEMPOTENT_REPLAYED],
+            "true"
+        );
         let body = response.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(body, r#"{"payment":"pay_for_k-recovered"}"#);
     }
@@ -162,8 +163,8 @@ async fn the_recovery_hook_answers_a_key_committed_without_an_answer() {
 /// never turns the key into `outcome-unknown`, which would tell the client the payment's fate
 /// can never be known: a caller who cannot wait gets a 409 saying the key is in flight, with a
 /// `Retry-After`; a caller who waits, and the retry, get the answer once the hook has it.
-#[tokio::test]
-async fn a_recovery_hook_without_an_answer_yet_gets_the_caller_a_retry_not_outcome_unknown() {
+pub(crate) async fn a_recovery_hook_without_an_answer_yet_gets_the_caller_a_retry_not_outcome_unknown()
+ {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     // The hook's read fails on its first two calls, then finds the payment.
@@ -219,7 +220,10 @@ async fn a_recovery_hook_without_an_answer_yet_gets_the_caller_a_retry_not_outco
     // A caller that waits is answered once the hook finds the payment (its second try).
     let patient = send(Duration::from_secs(5)).await.unwrap();
     assert_eq!(patient.status(), StatusCode::CREATED);
-    assert_eq!(patient.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        patient.headers()[tower_idempotency::headers::IDEMPOTENT_REPLAYED],
+        "true"
+    );
     let body = patient.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body, "pay_1");
     assert_eq!(

@@ -2,8 +2,7 @@
 
 use super::*;
 
-#[tokio::test]
-async fn the_sweeper_removes_only_expired_rows() {
+pub(crate) async fn the_sweeper_removes_only_expired_rows() {
     let schema = TestSchema::new().await;
     let store = PostgresStore::new(schema.pool.clone());
     let short = Duration::from_millis(100);
@@ -40,8 +39,7 @@ async fn the_sweeper_removes_only_expired_rows() {
     schema.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sweepers_in_parallel_skip_rows_others_hold() {
+pub(crate) async fn sweepers_in_parallel_skip_rows_others_hold() {
     let schema = TestSchema::new().await;
     sqlx::query(
         "INSERT INTO idempotency_keys
@@ -80,8 +78,7 @@ async fn sweepers_in_parallel_skip_rows_others_hold() {
 /// The compiled-in set must be the one sqlx resolves from `migrations/` (what `sqlx::migrate!`
 /// and `sqlx migrate run` apply): same versions, descriptions, checksums, transaction mode. A
 /// database migrated by either then never reports a changed or missing migration.
-#[tokio::test]
-async fn the_compiled_in_migrations_are_the_files_as_sqlx_reads_them() {
+pub(crate) async fn the_compiled_in_migrations_are_the_files_as_sqlx_reads_them() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
     let resolved = sqlx::migrate::Migrator::new(dir).await.unwrap();
     let summary = |migrator: &sqlx::migrate::Migrator| {
@@ -103,8 +100,7 @@ async fn the_compiled_in_migrations_are_the_files_as_sqlx_reads_them() {
     assert_eq!(summary(&MIGRATOR), summary(&resolved));
 }
 
-#[tokio::test]
-async fn migrations_apply_as_a_plain_sqlx_migrator_and_twice_through_the_store() {
+pub(crate) async fn migrations_apply_as_a_plain_sqlx_migrator_and_twice_through_the_store() {
     let name = format!("test_{}", Uuid::new_v4().simple());
     let admin = PgPool::connect(&database_url()).await.unwrap();
     sqlx::query(sqlx::AssertSqlSafe(format!(r#"CREATE SCHEMA "{name}""#)))
@@ -153,8 +149,7 @@ async fn scans(pool: &PgPool) -> (i64, i64) {
     .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn claims_and_fences_stay_index_lookups_after_the_table_grew_from_empty() {
+pub(crate) async fn claims_and_fences_stay_index_lookups_after_the_table_grew_from_empty() {
     let schema = TestSchema::new().await;
     // One connection for the store and one for the application: every statement below runs on
     // the same two sessions, as on a long-lived instance.
@@ -218,8 +213,7 @@ async fn claims_and_fences_stay_index_lookups_after_the_table_grew_from_empty() 
 /// ends its transaction before its connection goes back: a transaction left open on an idle
 /// connection keeps its locks until that connection's next use, so a quiet system would see
 /// the key in flight, and `DROP SCHEMA` (or a migration) wait, for as long.
-#[tokio::test]
-async fn a_claim_that_settles_a_locked_row_leaves_no_transaction_open() {
+pub(crate) async fn a_claim_that_settles_a_locked_row_leaves_no_transaction_open() {
     let schema = TestSchema::new().await;
     let (pool, application) = named_pool(&schema, "settle").await;
     let store = PostgresStore::new(pool.clone());

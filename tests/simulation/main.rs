@@ -222,7 +222,7 @@ async fn client(world: World, hosts: Arc<Vec<Arc<Host>>>, key: String) {
 /// when to come back.
 fn is_final<B>(answer: &http::Response<B>) -> bool {
     let headers = answer.headers();
-    headers.contains_key("idempotent-replayed")
+    headers.contains_key(tower_idempotency::headers::IDEMPOTENT_REPLAYED)
         || !matches!(answer.status().as_u16(), 409 | 503)
         || (answer.status() == 409 && !headers.contains_key("retry-after"))
 }

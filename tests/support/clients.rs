@@ -19,7 +19,7 @@ impl Answer {
 
     pub fn replayed(&self) -> bool {
         self.headers
-            .get("idempotent-replayed")
+            .get(tower_idempotency::headers::IDEMPOTENT_REPLAYED)
             .is_some_and(|v| v == "true")
     }
 

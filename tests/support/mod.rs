@@ -1,5 +1,6 @@
-//! Helpers shared by the tests, by what they support: servers of their own, a Redis Cluster,
-//! the example apps and the mock provider, clients, and stores that misbehave on purpose.
+//! Helpers shared by the tests, by what they support: servers of their own (Redis, Postgres,
+//! Citus), a Redis Cluster, network faults, the example apps and the mock provider, clients,
+//! stores that misbehave on purpose, and the harness of the test binaries.
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -7,13 +8,18 @@ mod apps;
 mod brokers;
 mod clients;
 mod cluster;
+mod faults;
 mod needs;
+mod postgres;
 mod servers;
 mod stores;
 
 // Each test uses some of them.
 #[allow(unused_imports)]
-pub use self::{apps::*, brokers::*, clients::*, cluster::*, needs::*, servers::*, stores::*};
+pub use self::{
+    apps::*, brokers::*, clients::*, cluster::*, faults::*, needs::*, postgres::*, servers::*,
+    stores::*,
+};
 
 use std::{
     net::TcpListener,

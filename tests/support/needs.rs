@@ -1,13 +1,16 @@
 //! The programs a test may need beyond the Postgres and Redis servers the README's set-up gives
 //! (Citus, the brokers, Redis and Postgres servers of the test's own), where each is found, and
-//! the harness of the test binaries whose tests need one: a test whose program is missing is
+//! the harness every test binary that starts one runs under: a test whose program is missing is
 //! reported as not run (libtest's "ignored", with what it needs and how to get it), never as
 //! passed. `IDEMPOTENCY_TEST_STRICT=1`, which `.ci/run` sets, makes it a failure instead.
 //!
-//! Cargo's own harness cannot decide at run time that a test did not run, so those binaries
-//! are `harness = false` in Cargo.toml and list their tests in a `main` through [`run`]. Such a
-//! binary must hold no `#[test]` or `#[tokio::test]`: without the harness they are not
-//! compiled, so they would never run (`.ci/run` checks).
+//! A test finds out it lacks a program when it asks for it ([`Need::path`], which the server
+//! helpers call): the test stops there, and the harness reports it as not run. Cargo's own
+//! harness cannot decide at run time that a test did not run, so those binaries are
+//! `harness = false` in Cargo.toml and list their tests in a `main` through [`run`] (the
+//! [`tests!`](crate::tests) macro). Such a binary must hold no `#[test]` or `#[tokio::test]`:
+//! without the harness they are not compiled, so they would never run (`.ci/harness` checks).
+//! [`run`] takes libtest's arguments, any number of filters included.
 
 use std::{
     process::ExitCode,
@@ -83,9 +86,11 @@ impl Need {
         }
     }
 
-    /// [`find`](Self::find), for a test that runs only where it is: panics with how to get it.
+    /// [`find`](Self::find), for a test that runs only where it is: without it, the test stops
+    /// here and the harness reports it as not run, with how to get it.
     pub fn path(self) -> PathBuf {
-        self.find().unwrap_or_else(|why| panic!("{why}"))
+        self.find()
+            .unwrap_or_else(|why| std::panic::panic_any(Missing { need: self, why }))
     }
 }
 
@@ -209,12 +214,104 @@ fn strict() -> bool {
     std::env::var("IDEMPOTENCY_TEST_STRICT").is_ok_and(|value| !value.is_empty() && value != "0")
 }
 
+/// What a test that lacks a program stops with ([`Need::path`]): the harness reports the test
+/// as not run.
+#[derive(Debug)]
+pub struct Missing {
+    need: Need,
+    why: String,
+}
+
 /// The tests that did not run, with why: reported once, after the run.
 static NOT_RUN: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
 
-/// A test named `name` that runs `body` on a multi-threaded runtime of two workers (as
+/// How a test's body runs: as `#[test]`, `#[tokio::test]` (one thread) or
+/// `#[tokio::test(flavor = "multi_thread", worker_threads = N)]`.
+#[derive(Debug, Clone, Copy)]
+pub enum Flavor {
+    CurrentThread,
+    MultiThread(usize),
+}
+
+impl Flavor {
+    fn runtime(self) -> tokio::runtime::Runtime {
+        match self {
+            Flavor::CurrentThread => tokio::runtime::Builder::new_current_thread(),
+            Flavor::MultiThread(workers) => {
+                let mut builder = tokio::runtime::Builder::new_multi_thread();
+                builder.worker_threads(workers);
+                builder
+            }
+        }
+        .enable_all()
+        .build()
+        .expect("a runtime")
+    }
+}
+
+/// A test named `name` whose body runs `run` where every one of `needs` is found, and which
+/// stops as not run when it asks for a program that is missing.
+fn trial(name: String, needs: &[Need], run: impl FnOnce() + Send + 'static) -> Trial {
+    let needs = needs.to_vec();
+    Trial::ignorable_test(name.clone(), move || {
+        let missing: Vec<(Need, String)> = needs
+            .iter()
+            .filter_map(|need| Some((*need, need.find().err()?)))
+            .collect();
+        if !missing.is_empty() {
+            return not_run(name, missing);
+        }
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+            Ok(()) => Ok(Completion::Completed),
+            Err(payload) => match payload.downcast::<Missing>() {
+                Ok(missing) => not_run(name, vec![(missing.need, missing.why)]),
+                // libtest-mimic reports it as the test's failure, with its message.
+                Err(payload) => std::panic::resume_unwind(payload),
+            },
+        }
+    })
+}
+
+/// A test that did not run for want of `missing`: ignored, and reported after the run; a
+/// failure where every test must run.
+fn not_run(name: String, missing: Vec<(Need, String)>) -> Result<Completion, Failed> {
+    let (needs, whys): (Vec<Need>, Vec<String>) = missing.into_iter().unzip();
+    let why = whys.join("; ");
+    if strict() {
+        return Err(Failed::from(format!(
+            "not run, and IDEMPOTENCY_TEST_STRICT asks for every test: {why}"
+        )));
+    }
+    NOT_RUN
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push((name, why));
+    let names: Vec<&str> = needs.iter().map(|need| need.name()).collect();
+    Ok(Completion::ignored_with(format!(
+        "not run: needs {}",
+        names.join(", ")
+    )))
+}
+
+/// A test named `name` that runs `body` on a runtime of `flavor`, where every one of `needs`
+/// is found.
+pub fn test_on<F>(
+    name: impl Into<String>,
+    needs: &[Need],
+    flavor: Flavor,
+    body: impl FnOnce() -> F + Send + 'static,
+) -> Trial
+where
+    F: Future<Output = ()>,
+{
+    trial(name.into(), needs, move || {
+        flavor.runtime().block_on(body())
+    })
+}
+
+/// A test that runs `body` on a multi-threaded runtime of two workers (as
 /// `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]` does), where every one of
-/// `needs` is found; otherwise it does not run, and says why.
+/// `needs` is found.
 pub fn test<F>(
     name: impl Into<String>,
     needs: &[Need],
@@ -223,51 +320,54 @@ pub fn test<F>(
 where
     F: Future<Output = ()>,
 {
-    let name = name.into();
-    let needs = needs.to_vec();
-    Trial::ignorable_test(name.clone(), move || {
-        let missing: Vec<(&str, String)> = needs
-            .iter()
-            .filter_map(|need| Some((need.name(), need.find().err()?)))
-            .collect();
-        if !missing.is_empty() {
-            let (names, whys): (Vec<&str>, Vec<String>) = missing.into_iter().unzip();
-            let why = whys.join("; ");
-            if strict() {
-                return Err(Failed::from(format!(
-                    "not run, and IDEMPOTENCY_TEST_STRICT asks for every test: {why}"
-                )));
-            }
-            NOT_RUN
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push((name, why));
-            return Ok(Completion::ignored_with(format!(
-                "not run: needs {}",
-                names.join(", ")
-            )));
-        }
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("a runtime")
-            .block_on(body());
-        Ok(Completion::Completed)
-    })
+    test_on(name, needs, Flavor::MultiThread(2), body)
 }
 
-/// A [`test`] per function, named by its path, each needing `$needs`:
-/// `crate::tests![&[Need::Citus]; moved_shard, kills::mid_request]`.
+/// A test of plain code (`#[test]`).
+pub fn test_sync(name: impl Into<String>, body: impl FnOnce() + Send + 'static) -> Trial {
+    trial(name.into(), &[], body)
+}
+
+/// A test per function, named by its path, as the attribute it replaces would run it:
+///
+/// ```ignore
+/// support::run(tests![
+///     current: a_test, fence::another;          // #[tokio::test]
+///     multi(2): a_third;                        // #[tokio::test(flavor = "multi_thread", ...)]
+///     sync: a_fourth;                           // #[test]
+/// ])
+/// ```
+///
+/// or, each on two workers where every one of `$needs` is found:
+/// `tests![&[Need::Citus]; moved_shard, kills::mid_request]`.
 #[macro_export]
 macro_rules! tests {
+    ($($flavor:ident $(($workers:expr))?: $($test:path),* $(,)?);+ $(;)?) => {{
+        let mut tests = ::std::vec::Vec::new();
+        $(tests.extend($crate::tests!(@group $flavor $(($workers))?; $($test),*));)+
+        tests
+    }};
+    (@group current; $($test:path),*) => {
+        ::std::vec![$($crate::support::test_on(
+            ::std::stringify!($test), &[], $crate::support::Flavor::CurrentThread, $test,
+        )),*]
+    };
+    (@group multi($workers:expr); $($test:path),*) => {
+        ::std::vec![$($crate::support::test_on(
+            ::std::stringify!($test), &[], $crate::support::Flavor::MultiThread($workers), $test,
+        )),*]
+    };
+    (@group sync; $($test:path),*) => {
+        ::std::vec![$($crate::support::test_sync(::std::stringify!($test), $test)),*]
+    };
     ($needs:expr; $($test:path),* $(,)?) => {
         ::std::vec![$($crate::support::test(::std::stringify!($test), $needs, $test)),*]
     };
 }
 
-/// A test per conformance case (`tower_idempotency::conformance::cases`), named
-/// `{prefix}::{case}`, each on a store from `make`, where every one of `needs` is found.
+/// A test per conformance case (`tower_idempotency::conformance::cases` and the others), named
+/// `{prefix}::{capability}::{case}`, each on a store from `make`, where every one of `needs` is
+/// found.
 pub fn conformance<S, F>(
     prefix: &str,
     needs: &[Need],
@@ -281,22 +381,31 @@ where
     cases
         .into_iter()
         .map(|case| {
-            test(
-                format!("{prefix}::{}", case.name),
-                needs,
-                move || async move {
-                    let store = make().await;
-                    (case.run)(&store).await;
-                },
-            )
+            let name = format!(
+                "{prefix}::{}::{}",
+                case.capability.replace(' ', "_"),
+                case.name
+            );
+            test(name, needs, move || async move {
+                let store = make().await;
+                (case.run)(&store).await;
+            })
         })
         .collect()
 }
 
-/// Runs `tests` as libtest does (its arguments: filters, `--skip`, `--test-threads`, …), then
-/// says once which tests did not run and why.
+/// Runs `tests` as libtest does (its arguments: filters, `--skip`, `--exact`,
+/// `--test-threads`, …), then says once which tests did not run and why.
 pub fn run(tests: Vec<Trial>) -> ExitCode {
-    let conclusion = libtest_mimic::run(&Arguments::from_args(), tests);
+    let (arguments, tests) = arguments(tests);
+    // A test that stops for want of a program is reported, not a crash to print.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.payload().downcast_ref::<Missing>().is_none() {
+            report(info);
+        }
+    }));
+    let conclusion = libtest_mimic::run(&arguments, tests);
     let not_run = std::mem::take(&mut *NOT_RUN.lock().unwrap_or_else(PoisonError::into_inner));
     if !not_run.is_empty() {
         let mut reasons: Vec<&str> = not_run.iter().map(|(_, why)| why.as_str()).collect();
@@ -319,4 +428,48 @@ pub fn run(tests: Vec<Trial>) -> ExitCode {
         }
     }
     conclusion.exit_code()
+}
+
+/// The command line as libtest reads it, and the tests its filters keep. libtest takes any
+/// number of filters (`cargo test -- grpc tonic`: a test whose name holds either), and
+/// libtest-mimic one: with more, the tests are filtered here.
+fn arguments(tests: Vec<Trial>) -> (Arguments, Vec<Trial>) {
+    // The options that take a value, which is no filter.
+    const VALUED: [&str; 6] = [
+        "--test-threads",
+        "--logfile",
+        "--skip",
+        "--color",
+        "--format",
+        "-Z",
+    ];
+    let mut args = std::env::args();
+    let mut options: Vec<String> = args.next().into_iter().collect();
+    let mut filters = Vec::new();
+    while let Some(arg) = args.next() {
+        if VALUED.contains(&arg.as_str()) {
+            options.push(arg);
+            options.extend(args.next());
+        } else if arg.starts_with('-') {
+            options.push(arg);
+        } else {
+            filters.push(arg);
+        }
+    }
+    let mut arguments = Arguments::from_iter(options);
+    if filters.len() <= 1 {
+        arguments.filter = filters.pop();
+        return (arguments, tests);
+    }
+    let exact = arguments.exact;
+    let kept = tests
+        .into_iter()
+        .filter(|test| {
+            filters.iter().any(|filter| match exact {
+                true => test.name() == filter,
+                false => test.name().contains(filter.as_str()),
+            })
+        })
+        .collect();
+    (arguments, kept)
 }

@@ -125,6 +125,11 @@ impl<S: Store> Store for Faulty<S> {
         self.inner.release(lease)
     }
 
+    /// Everything but the four operations is the inner store's.
+    fn wrapped(&self) -> Option<&dyn Store> {
+        Some(&self.inner)
+    }
+
     /// The inner store's detached twin, as the inner store's own renewals would use, unless the
     /// fault is in the renewals: then they go through it.
     fn detached(&self) -> Option<std::sync::Arc<dyn Store>> {

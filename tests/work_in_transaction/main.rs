@@ -16,7 +16,7 @@ use std::{
 use sqlx::{PgConnection, PgPool};
 use support::TestSchema;
 use tower_idempotency::{
-    store::{PostgresStore, RecordState, Store},
+    store::{Admin, PostgresStore, RecordState},
     work::{Once, Unit, WorkError},
 };
 

@@ -37,7 +37,7 @@ pub(super) struct Queued {
     lease: Duration,
     /// When the caller's claim started: the insert happens only within its time.
     started: Instant,
-    answer: oneshot::Sender<Result<Claimed, StoreError>>,
+    answer: oneshot::Sender<Result<Round, StoreError>>,
 }
 
 impl std::fmt::Debug for Queued {
@@ -50,7 +50,7 @@ impl std::fmt::Debug for Queued {
 
 /// What one round of a claim found.
 #[derive(Debug)]
-pub(super) enum Claimed {
+pub(super) enum Round {
     Outcome(ClaimOutcome),
     /// A row the claim must settle under its lock (expired, or committed with its lease lapsed).
     Settle,
@@ -66,7 +66,7 @@ impl PostgresStore {
         &self,
         request: &ClaimRequest,
         started: Instant,
-    ) -> Result<Claimed, StoreError> {
+    ) -> Result<Round, StoreError> {
         let (answer, answered) = oneshot::channel();
         let queued = Queued {
             record: request.record().clone(),
@@ -130,7 +130,7 @@ impl PostgresStore {
     async fn claim_rows(
         &self,
         batch: &[Queued],
-    ) -> Result<Vec<Result<Claimed, StoreError>>, StoreError> {
+    ) -> Result<Vec<Result<Round, StoreError>>, StoreError> {
         // On Citus a batch is of one shard (`send_claims`), sent to its worker.
         let record = &batch[0].record;
         let key = (record.scope(), record.key().as_str());
@@ -148,7 +148,7 @@ impl PostgresStore {
         let sent: Vec<(usize, &Queued, Duration)> = (0..batch.len())
             .filter_map(|i| Some((i, &batch[i], left[i]?)))
             .collect();
-        let mut answers: Vec<Result<Claimed, StoreError>> =
+        let mut answers: Vec<Result<Round, StoreError>> =
             batch.iter().map(|_| Err(self.timed_out())).collect();
         if sent.is_empty() {
             connection.give_back(&Ok::<(), sqlx::Error>(()));
@@ -165,7 +165,7 @@ impl PostgresStore {
         };
         // A claim without a row reads its key again.
         for (i, _, _) in &sent {
-            answers[*i] = Ok(Claimed::Again);
+            answers[*i] = Ok(Round::Again);
         }
         if connection.give_back(&rows) {
             // The connection was gone: another round, on a fresh one.
@@ -178,8 +178,8 @@ impl PostgresStore {
                 .and_then(|n| sent.get(n))
                 .ok_or_else(|| backend(sqlx::Error::RowNotFound))?;
             answers[*i] = read_claim(&row, &queued.record).map(|outcome| match outcome {
-                Some(outcome) => Claimed::Outcome(outcome),
-                None => Claimed::Settle,
+                Some(outcome) => Round::Outcome(outcome),
+                None => Round::Settle,
             });
         }
         Ok(answers)

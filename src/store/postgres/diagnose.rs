@@ -1,4 +1,4 @@
-//! [`Store::diagnose`](crate::store::Store::diagnose) for Postgres: the server version, the
+//! [`Admin::diagnose`](crate::store::Admin::diagnose) for Postgres: the server version, the
 //! crate's migrations, whether acknowledged commits survive a crash, the session timeouts of the application's pool (on which the handlers'
 //! fence transactions run), on Citus how the table is distributed, whether the sweeper keeps
 //! up, and the table's size.

@@ -1,10 +1,11 @@
 //! The Postgres store: the source of truth, a row per key behind a primary key.
 
+mod admin;
 mod batch;
 mod claim;
 mod connections;
 mod diagnose;
-mod fence;
+pub(crate) mod fence;
 mod migrations;
 mod shards;
 mod sql;
@@ -16,16 +17,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sqlx::{
-    PgConnection, PgPool, Row,
-    postgres::{PgConnectOptions, PgRow},
-};
+use sqlx::{PgConnection, PgPool, postgres::PgConnectOptions};
 use tokio::task::JoinHandle;
 
-pub(crate) use self::fence::{advance, commit, recovery_point};
 use self::{
     batch::{Batches, Completion, Queued, Release, Renewal},
-    claim::{column_millis, column_status},
     connections::{Connections, Plans},
     shards::Routes,
     sql::*,
@@ -35,8 +31,9 @@ pub use self::{
     migrations::{DISTRIBUTE_ON_CITUS, MIGRATOR, PARTITION_BY_HASH},
 };
 use super::{
-    Abandoned, BoxFuture, ClaimOutcome, ClaimRequest, Diagnosis, Lease, Ownership, RecordInfo,
-    RecordKey, RecordState, Severity, Store, StoreError,
+    claim::{ClaimOutcome, ClaimRequest, Lease, Ownership},
+    contract::{BoxFuture, Offers, Store},
+    error::StoreError,
 };
 use crate::response::StoredResponse;
 
@@ -309,7 +306,7 @@ impl PostgresStore {
     /// copy. The map is read when the store is built (in the background, inside a Tokio
     /// runtime), again every 10 s and soon after a statement fails on a route; until the first
     /// is read, statements go to the coordinator. While the coordinator is down,
-    /// requests whose keys are on live workers go on; the sweeper, [`stuck`](Store::stuck) and
+    /// requests whose keys are on live workers go on; the sweeper, [`stuck`](super::Admin::stuck) and
     /// the completer's scan, which read every shard, wait for it.
     ///
     /// Every statement is one Citus routes to one shard. Batches ([`with_max_batch`](Self::with_max_batch))
@@ -636,7 +633,7 @@ impl PostgresStore {
         &self,
         operation: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, StoreError> {
-        super::bounded(STORE, self.timeout, operation, |e| self.failed(e)).await
+        super::error::bounded(STORE, self.timeout, operation, |e| self.failed(e)).await
     }
 
     /// [`failed`](Self::failed), for a statement on a route: on Citus, the shard map is read
@@ -673,13 +670,13 @@ impl Store for PostgresStore {
             let rounds = async {
                 for _ in 0..CLAIM_ROUNDS {
                     match self.claim_round(request, started).await? {
-                        claim::Claimed::Outcome(outcome) => return Ok(outcome),
-                        claim::Claimed::Settle => {
+                        claim::Round::Outcome(outcome) => return Ok(outcome),
+                        claim::Round::Settle => {
                             if let Some(outcome) = self.settle(request).await? {
                                 return Ok(outcome);
                             }
                         }
-                        claim::Claimed::Again => {}
+                        claim::Round::Again => {}
                     }
                 }
                 Ok(ClaimOutcome::InFlight {
@@ -744,34 +741,6 @@ impl Store for PostgresStore {
         "postgres"
     }
 
-    fn adopt<'a>(
-        &'a self,
-        request: &'a ClaimRequest,
-        response: &'a StoredResponse,
-        retention: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(async move {
-            let record = request.record();
-            let adopted = self
-                .on_key(
-                    (record.scope(), record.key().as_str()),
-                    async |connection| {
-                        sqlx::query(ADOPT)
-                            .bind(record.scope())
-                            .bind(record.key().as_str())
-                            .bind(&request.fingerprint().as_bytes()[..])
-                            .bind(response.status().as_u16() as i16)
-                            .bind(response.encode().to_vec())
-                            .bind(millis(retention))
-                            .execute(connection)
-                            .await
-                    },
-                )
-                .await?;
-            Ok(adopted.rows_affected() == 1)
-        })
-    }
-
     /// Connections of its own (at most 4, made on first use, to each worker on Citus), on the
     /// same pool options.
     fn detached(&self) -> Option<Arc<dyn Store>> {
@@ -785,179 +754,9 @@ impl Store for PostgresStore {
         }))
     }
 
-    fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
-        Box::pin(async move {
-            let mut diagnosis = self.diagnosis().await;
-            let policy = format!(
-                "while Postgres cannot be reached, has no connection free or is slower than the \
-                 store's timeout ({:?}), guarded requests answer 503 with Retry-After and no \
-                 handler runs",
-                self.timeout
-            );
-            diagnosis.push(Severity::Ok, STORE, "failure-policy", policy);
-            diagnosis
-        })
+    fn offers(&self) -> Offers<'_> {
+        Offers::none().with_admin(self).with_recovery(self)
     }
-
-    fn inspect<'a>(
-        &'a self,
-        record: &'a RecordKey,
-    ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
-        Box::pin(async move {
-            let row = self
-                .on_key(
-                    (record.scope(), record.key().as_str()),
-                    async |connection| {
-                        sqlx::query(INSPECT)
-                            .bind(record.scope())
-                            .bind(record.key().as_str())
-                            .bind(millis(self.horizon))
-                            .fetch_optional(connection)
-                            .await
-                    },
-                )
-                .await?;
-            row.map(|row| read_info(&row)).transpose()
-        })
-    }
-
-    fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(async move {
-            let deleted = self
-                .on_key(
-                    (record.scope(), record.key().as_str()),
-                    async |connection| {
-                        sqlx::query(FORGET)
-                            .bind(record.scope())
-                            .bind(record.key().as_str())
-                            .execute(connection)
-                            .await
-                    },
-                )
-                .await?;
-            Ok(deleted.rows_affected() > 0)
-        })
-    }
-
-    fn stuck<'a>(
-        &'a self,
-        older_than: Duration,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
-        Box::pin(async move {
-            let rows = self
-                .on_connection(async |connection| {
-                    sqlx::query(STUCK)
-                        .bind(millis(older_than))
-                        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                        .fetch_all(connection)
-                        .await
-                })
-                .await?;
-            rows.iter().map(read_info).collect()
-        })
-    }
-
-    fn abandoned<'a>(&'a self, limit: usize) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>> {
-        Box::pin(async move {
-            let rows = self
-                .on_connection(async |connection| {
-                    sqlx::query(ABANDONED)
-                        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                        .fetch_all(connection)
-                        .await
-                })
-                .await?;
-            rows.iter().map(read_abandoned).collect()
-        })
-    }
-
-    fn note_unfinished<'a>(
-        &'a self,
-        record: &'a RecordKey,
-        why: &'a str,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            self.on_key(
-                (record.scope(), record.key().as_str()),
-                async |connection| {
-                    sqlx::query(NOTE_UNFINISHED)
-                        .bind(record.scope())
-                        .bind(record.key().as_str())
-                        .bind(why)
-                        .execute(connection)
-                        .await
-                },
-            )
-            .await?;
-            Ok(())
-        })
-    }
-}
-
-/// A row of [`ABANDONED`].
-fn read_abandoned(row: &PgRow) -> Result<Abandoned, StoreError> {
-    let record = read_record(row)?;
-    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(backend)?;
-    let Ok(fingerprint) = <[u8; 32]>::try_from(fingerprint) else {
-        return Err(StoreError::corrupt(
-            STORE,
-            &record,
-            "a fingerprint not of 32 bytes",
-        ));
-    };
-    let state = match row.try_get::<String, _>("state").map_err(backend)?.as_str() {
-        "committed" => RecordState::Committed,
-        _ => RecordState::InFlight,
-    };
-    let request: Option<Vec<u8>> = row.try_get("request").map_err(backend)?;
-    Ok(Abandoned {
-        record,
-        fingerprint: crate::fingerprint::Fingerprint::from_bytes(fingerprint),
-        state,
-        recovery_point: row.try_get("recovery_point").map_err(backend)?,
-        request: request.map(bytes::Bytes::from),
-        lapsed: column_millis(row, "lapsed_ms")?,
-    })
-}
-
-/// The key and scope of a row.
-fn read_record(row: &PgRow) -> Result<RecordKey, StoreError> {
-    let scope: String = row.try_get("scope").map_err(backend)?;
-    let key: String = row.try_get("key").map_err(backend)?;
-    let key =
-        crate::IdempotencyKey::try_from(key.as_str()).map_err(|e| StoreError::backend(STORE, e))?;
-    Ok(RecordKey::new(scope, key))
-}
-
-/// An operator's view of a row of [`INSPECT`] or [`STUCK`].
-fn read_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
-    let record = read_record(row)?;
-    let state = match row.try_get::<String, _>("state").map_err(backend)?.as_str() {
-        "in_flight" => RecordState::InFlight,
-        "committed" => RecordState::Committed,
-        "completed" => RecordState::Completed,
-        "tombstone" => RecordState::AnswerExpired,
-        other => {
-            let unknown = format!("unknown state {other:?}");
-            return Err(StoreError::corrupt(STORE, &record, unknown));
-        }
-    };
-    let millis = |column| column_millis(row, column);
-    let fence: i64 = row.try_get("fence").map_err(backend)?;
-    Ok(RecordInfo {
-        state,
-        fence: u64::try_from(fence).unwrap_or_default(),
-        owner: row.try_get("owner").map_err(backend)?,
-        lease_left: matches!(state, RecordState::InFlight | RecordState::Committed)
-            .then(|| millis("lease_ms"))
-            .transpose()?,
-        age: Some(millis("age_ms")?),
-        expires_in: millis("expires_ms")?,
-        status: column_status(row)?,
-        unfinished: row.try_get("unfinished").map_err(backend)?,
-        record,
-    })
 }
 
 /// An owner-checked statement touches the row if, and only if, the owner still holds it.

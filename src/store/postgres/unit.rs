@@ -43,12 +43,12 @@ pub(crate) enum Seen {
 /// dropped (or fails to roll back) before its transaction ended: the server then rolls the
 /// transaction back. A transaction begun in the round trip of its key's lock must never go back
 /// to the pool half-open, as a `BEGIN` cut short by a dropped future does in sqlx.
-pub(crate) struct Held {
+pub(crate) struct DeliveryConnection {
     connection: PoolConnection<Postgres>,
     ended: bool,
 }
 
-impl Held {
+impl DeliveryConnection {
     /// A connection of `pool`.
     pub(crate) async fn acquire(pool: &PgPool) -> Result<Self, StoreError> {
         let connection = pool.acquire().await.map_err(backend)?;
@@ -78,7 +78,7 @@ impl Held {
     }
 }
 
-impl Drop for Held {
+impl Drop for DeliveryConnection {
     fn drop(&mut self) {
         if !self.ended {
             self.connection.close_on_drop();

@@ -6,14 +6,49 @@ use std::time::Duration;
 use ::redis::Value;
 
 use super::{Node, Record, RedisStore, STORE, Tombstone, from_value, since};
-use crate::store::{RecordInfo, RecordKey, RecordState, StoreError};
+use crate::store::{
+    Admin, BoxFuture, Diagnosis, RecordInfo, RecordKey, RecordState, Severity, StoreError,
+};
+
+impl Admin for RedisStore {
+    fn inspect<'a>(
+        &'a self,
+        record: &'a RecordKey,
+    ) -> BoxFuture<'a, Result<Option<RecordInfo>, StoreError>> {
+        Box::pin(self.inspect_record(record))
+    }
+
+    fn forget<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(self.forget_record(record))
+    }
+
+    /// Scans the keys under the store's prefix: an operator's tool, which costs Redis a pass over
+    /// its keyspace (in batches of 1000, never blocking it); on a cluster, every master's.
+    fn stuck<'a>(
+        &'a self,
+        older_than: Duration,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<RecordInfo>, StoreError>> {
+        Box::pin(self.stuck_records(older_than, limit))
+    }
+
+    fn diagnose(&self) -> BoxFuture<'_, Diagnosis> {
+        Box::pin(async move {
+            let mut diagnosis = self.diagnosis().await;
+            let policy = format!(
+                "while Redis cannot be reached or is slower than the store's timeout ({:?}), \
+                 guarded requests answer 503 with Retry-After and no handler runs",
+                self.timeout
+            );
+            diagnosis.push(Severity::Ok, STORE, "failure-policy", policy);
+            diagnosis
+        })
+    }
+}
 
 impl RedisStore {
     /// What an operator sees of `record`: its record, or its tombstone.
-    pub(super) async fn inspect_record(
-        &self,
-        record: &RecordKey,
-    ) -> Result<Option<RecordInfo>, StoreError> {
+    async fn inspect_record(&self, record: &RecordKey) -> Result<Option<RecordInfo>, StoreError> {
         let key = self.record_key(record);
         let info = match self.read(&key).await? {
             (Some(value), pttl, now) => Some(record_info(record.clone(), &value, pttl, now)),
@@ -32,7 +67,7 @@ impl RedisStore {
     }
 
     /// Deletes `record` and its tombstone; whether there was either.
-    pub(super) async fn forget_record(&self, record: &RecordKey) -> Result<bool, StoreError> {
+    async fn forget_record(&self, record: &RecordKey) -> Result<bool, StoreError> {
         let key = self.record_key(record);
         let mut del = ::redis::cmd("DEL");
         // The tombstone's name is in the record's slot: one command.
@@ -45,7 +80,7 @@ impl RedisStore {
 
     /// The records in flight for longer than `older_than`, oldest first, up to `limit`, from
     /// every master.
-    pub(super) async fn stuck_records(
+    async fn stuck_records(
         &self,
         older_than: Duration,
         limit: usize,

@@ -224,7 +224,7 @@ impl RedisStore {
                 None => ClaimOutcome::Acquired { fence: name },
                 Some(held) => {
                     let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
-                    super::read_record(held, request, left).map_err(corrupt)?
+                    super::script::read_record(held, request, left).map_err(corrupt)?
                 }
             };
             // Asked again by its owner: again, in a transaction.

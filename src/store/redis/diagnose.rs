@@ -1,4 +1,4 @@
-//! [`Store::diagnose`](crate::store::Store::diagnose) for Redis: on each master, the server
+//! [`Admin::diagnose`](crate::store::Admin::diagnose) for Redis: on each master, the server
 //! version and the compare-and-set commands it has, `maxmemory-policy`, persistence and
 //! replicas; on a cluster, slot coverage.
 
