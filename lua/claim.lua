@@ -3,10 +3,11 @@
 -- has no SET ... NX GET (Redis before 7.0). Elsewhere a claim is that SET, a PTTL and a TIME,
 -- pipelined, which writes the same record (src/store/redis/compare.rs).
 --
--- The record is one string: a layout byte, a state byte ("i" in flight, "c" completed), the
--- request fingerprint (32 bytes), the owner token (16 bytes), the fence (16 decimal digits),
--- and once completed the encoded response. Its expiry is the lease while in flight, the
--- retention once completed (PEXPIRE/PX: the server's clock).
+-- The record is one string: a layout byte, a state byte ("i" in flight, "w" in flight and
+-- waited for (mark.lua), "c" completed), the request fingerprint (32 bytes), the owner token
+-- (16 bytes), the fence (16 decimal digits), and once completed the encoded response. Its
+-- expiry is the lease while in flight, the retention once completed (PEXPIRE/PX: the server's
+-- clock).
 --
 -- KEYS[1]: the record
 -- KEYS[2]: the key's tombstone (see complete.lua), on a store that keeps them; absent otherwise
@@ -36,7 +37,11 @@ end
 local record = redis.call('GET', KEYS[1])
 if record then
   local pttl = redis.call('PTTL', KEYS[1])
-  if string.sub(record, 1, #ARGV[1]) == ARGV[1] then
+  -- The claimant's own record in flight, waited for or not: the same bytes but the state's.
+  local own = string.sub(record, 1, 1) == string.sub(ARGV[1], 1, 1)
+    and string.sub(record, 3, #ARGV[1]) == string.sub(ARGV[1], 3)
+    and (string.sub(record, 2, 2) == 'i' or string.sub(record, 2, 2) == 'w')
+  if own then
     return {1, record, pttl, server_clock()}
   end
   return {1, record, pttl}

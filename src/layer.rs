@@ -239,10 +239,12 @@ impl IdempotencyLayer {
     /// `Duration::ZERO` answers 409 at once. A gRPC caller waits at most four fifths of its
     /// `grpc-timeout`.
     ///
-    /// A duplicate on the same instance is woken the moment the first request finalizes; one on
-    /// another instance polls the store (after 10 ms, doubling up to every 200 ms), each poll a
-    /// read. The default covers most handlers' durations while staying under common client and
-    /// proxy timeouts (30 to 60 s): keep it below any timeout in front of the layer.
+    /// A duplicate is woken the moment the first request finalizes, wherever in the fleet it
+    /// runs: by this process when the first runs here, by the store's word when it runs on
+    /// another instance (Redis, Postgres: [`Wakes`](crate::store::Wakes)); on a store that gives
+    /// no word it polls (after 10 ms, doubling up to every 200 ms), each poll a read. The
+    /// default covers most handlers' durations while staying under common client and proxy
+    /// timeouts (30 to 60 s): keep it below any timeout in front of the layer.
     pub fn with_wait(mut self, wait: Duration) -> Self {
         self.settings.wait = wait;
         self

@@ -73,6 +73,7 @@ fn main() -> std::process::ExitCode {
         },
     ));
     tests.extend(crate::tests![needs;
+        a_duplicate_elsewhere_is_woken_through_its_keys_shard_channel,
         records_spread_over_the_masters_and_stuck_lists_them_all,
         a_claim_on_a_cluster_runs_no_script,
         a_failover_and_a_resharding_mid_run_run_nothing_twice,
@@ -124,8 +125,9 @@ async fn records_spread_over_the_masters_and_stuck_lists_them_all() {
 }
 
 /// On a cluster as on one server, a fresh key's claim is one pipeline on its master (a
-/// `SET … NX GET`, a `PTTL`, a `TIME`), not claim.lua: the probe for what the servers offer goes to one node (routed by its arguments,
-/// as if they were keys, it was refused, and every claim ran the script).
+/// `SET … NX GET`, a `PTTL`, a `TIME`), not claim.lua: the probe for what the servers offer goes
+/// to one node (routed by its arguments, as if they were keys, it was refused: every claim ran the
+/// script).
 async fn a_claim_on_a_cluster_runs_no_script() {
     let cluster = tokio::task::spawn_blocking(RedisCluster::start)
         .await
@@ -778,4 +780,21 @@ fn slots_of(cluster: &RedisCluster, port: u16) -> usize {
             None => 1,
         })
         .sum()
+}
+
+/// A duplicate on another instance (another store object, with a listener of its own) is woken
+/// through its key's shard channel (`SSUBSCRIBE`; `SPUBLISH` from the completion's script on the
+/// key's master) the moment the first completes, without polling.
+async fn a_duplicate_elsewhere_is_woken_through_its_keys_shard_channel() {
+    let cluster = tokio::task::spawn_blocking(RedisCluster::shared).await;
+    let prefix = format!("test:{}:", Uuid::new_v4());
+    let elsewhere = || store_on(cluster.as_ref().unwrap()).with_prefix(&prefix);
+    for key in ["k-one", "k-two", "k-three"] {
+        let instances = (elsewhere(), elsewhere());
+        let woken = support::duplicate_elsewhere(instances, key, async || {}).await;
+        let answered = (woken.answer.status, woken.answer.replayed(), woken.runs);
+        assert_eq!(answered, (StatusCode::CREATED, true, 1), "{key}");
+        let counted = (woken.counters.woken, woken.counters.polled);
+        assert_eq!(counted, (1, 0), "{key}: {:?}", woken.counters);
+    }
 }

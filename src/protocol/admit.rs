@@ -5,7 +5,6 @@
 use std::{ops::ControlFlow, sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use futures_util::FutureExt;
 use http::{Response, request::Parts};
 use http_body::Body;
 use tokio::time::Instant;
@@ -14,7 +13,7 @@ use super::{
     Caller, Engine, Exchange, Hold,
     lease::{Keeper, Standing},
     read,
-    wait::Backoff,
+    wait::{self, Waiting},
 };
 use crate::{
     answers::vary_mismatch,
@@ -187,8 +186,7 @@ pub(super) struct Asked {
 /// nothing when the caller left while waiting.
 ///
 /// A request of this process that holds the key wakes its waiters when it finalizes; one on
-/// another instance is noticed by polling the store, after 10 ms, then twice as long each time
-/// up to 200 ms.
+/// another instance, the store's word (see [`while_in_flight`]).
 pub(super) async fn claim_or_answer<B, E>(
     exchange: Exchange<'_, '_>,
     claim: &ClaimRequest,
@@ -320,7 +318,10 @@ async fn wait_for_the_first<B, E>(
 /// wait is over; `None` if `gone` (the caller leaving) resolved first.
 ///
 /// A holder in this process wakes its waiters when it finalizes; one elsewhere in the fleet is
-/// noticed by polling the store, after 10 ms, then twice as long each time up to 200 ms.
+/// heard of through the store, where it gives word ([`Wakes`](crate::store::Wakes)): the waiter
+/// marks the key, and claims again the moment its holder completes or releases it, when the
+/// holder's lease runs out, or every 5 s anyway. Without word, it polls, after 10 ms, then twice
+/// as long each time up to 200 ms.
 pub(super) async fn while_in_flight(
     engine: &Engine,
     claim: &ClaimRequest,
@@ -329,33 +330,27 @@ pub(super) async fn while_in_flight(
     gone: impl Future<Output = ()>,
 ) -> Option<Asked> {
     let deadline = Instant::now() + wait;
-    let mut interest = None;
-    let (prefix, count) = claim.owner().as_u64_pair();
-    let mut backoff = Backoff::new(prefix ^ count.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut waiting = None;
     let mut gone = std::pin::pin!(gone);
     loop {
         let Ok(ClaimOutcome::InFlight { retry_after }) = asked.outcome else {
             return Some(asked);
         };
-        if (&mut gone).now_or_never().is_some() {
+        if wait::left(&mut gone) {
             return None;
         }
-        let now = Instant::now();
-        if now >= deadline {
+        if Instant::now() >= deadline {
             let retry_after = engine.state.durations.retry_after(retry_after);
             asked.outcome = Ok(ClaimOutcome::InFlight { retry_after });
             return Some(asked);
         }
-        let interest = interest.get_or_insert_with(|| {
-            engine.telemetry.waiting();
-            engine.state.waiters.interest(claim.record())
-        });
-        tokio::select! {
-            biased;
-            () = &mut gone => return None,
-            () = interest.notify().notified() => {}
-            () = tokio::time::sleep(backoff.pause().min(deadline - now)) => {}
-        }
+        let waiting = match &mut waiting {
+            Some(waiting) => waiting,
+            None => waiting.insert(Waiting::start(engine, claim).await),
+        };
+        let record = claim.record();
+        let woken = waiting.pause(engine, record, (retry_after, deadline), &mut gone);
+        engine.telemetry.woke(woken.await?);
         asked = claim_once(engine, claim).await;
     }
 }

@@ -10,14 +10,17 @@ use std::{
     time::Duration,
 };
 
+use futures_util::FutureExt;
 use http::HeaderMap;
-use tokio::sync::Notify;
+use tokio::{sync::Notify, time::Instant};
 
+use super::Engine;
 use crate::{
     grpc, headers,
     settings::Settings,
-    store::RecordKey,
+    store::{ClaimRequest, Marked, RecordKey, Wake},
     stripes::{self, Padded, STRIPES},
+    telemetry::{Operation, Wakeup},
 };
 
 /// How long a duplicate may wait for the first request with its key, and whether that is the
@@ -58,9 +61,122 @@ impl Wait {
     }
 }
 
+/// How often a waiter that hears from the store looks at the key anyway: a word lost without
+/// its connection's loss being noticed (a network that went silent, a front the breaker
+/// skipped) costs at most this. A lost connection is noticed, and its waiters look at once.
+const BACKSTOP: Duration = Duration::from_secs(5);
+
+/// How soon after the holder's lease runs out a waiter looks: the holder may be gone, and the
+/// key claimable.
+const PAST_THE_LEASE: Duration = Duration::from_millis(20);
+
+/// How soon a waiter marks again a record a transaction holds locked (the owner's fence, about
+/// to commit).
+const MARK_BUSY: Duration = Duration::from_millis(20);
+
+/// A request that waits for the first request with its key: woken by the first when it runs
+/// in this process, by the store's word when it runs elsewhere in the fleet (where the store
+/// gives word: [`Wakes`](crate::store::Wakes)), or, without word, by polling.
+pub(super) struct Waiting<'a> {
+    interest: Interest<'a>,
+    /// The store's word of the key's end, where it gives it and listens.
+    wake: Option<Wake>,
+    backoff: Backoff,
+}
+
+impl<'a> Waiting<'a> {
+    /// Starts waiting for `claim`'s key: counted, heard by this process's owner, and listened
+    /// for where the store gives word.
+    pub(super) async fn start(engine: &'a Engine, claim: &'a ClaimRequest) -> Self {
+        engine.telemetry.waiting();
+        let record = claim.record();
+        let interest = engine.state.waiters.interest(record);
+        let wake = match engine.settings.store.wakes() {
+            Some(wakes) => {
+                let listen = wakes.listen(record);
+                let listened = engine.telemetry.timed(Operation::Mark, listen).await;
+                listened.ok()
+            }
+            None => None,
+        };
+        let (prefix, count) = claim.owner().as_u64_pair();
+        let backoff = Backoff::new(prefix ^ count.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        Self {
+            interest,
+            wake,
+            backoff,
+        }
+    }
+
+    /// Pauses until the key may have ended: its end heard (from this process's owner, or the
+    /// store), the holder's lease over (`lease_left`), the slow poll due, or, without the
+    /// store's word, the next poll; never past `deadline`. `None` if `gone` (the caller
+    /// leaving) resolved first. The record is marked first, so that its end is told.
+    pub(super) async fn pause(
+        &mut self,
+        engine: &Engine,
+        record: &RecordKey,
+        (lease_left, deadline): (Duration, Instant),
+        gone: &mut (impl Future<Output = ()> + Unpin),
+    ) -> Option<Wakeup> {
+        let local = self.interest.notify().notified();
+        let mut local = std::pin::pin!(local);
+        local.as_mut().enable();
+        let heard = self.wake.as_ref().map(Wake::notified);
+        let mut heard = std::pin::pin!(heard);
+        if let Some(heard) = heard.as_mut().as_pin_mut() {
+            heard.enable();
+        }
+        let pause = match self.marked(engine, record).await {
+            Some(Marked::Waited) => BACKSTOP.min(lease_left + PAST_THE_LEASE),
+            Some(Marked::Busy) => MARK_BUSY,
+            // Ended already: look at once.
+            Some(_) => return Some(Wakeup::Store),
+            None => self.backoff.pause(),
+        };
+        let pause = pause.min(deadline.saturating_duration_since(Instant::now()));
+        let heard = async {
+            match heard.as_mut().as_pin_mut() {
+                Some(heard) => heard.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            () = gone => None,
+            () = local => Some(Wakeup::Process),
+            () = heard => Some(Wakeup::Store),
+            () = tokio::time::sleep(pause) => Some(Wakeup::Poll),
+        }
+    }
+
+    /// What marking the record found, where the store listens for this waiter; `None` where
+    /// it does not (or the mark failed): the waiter polls.
+    async fn marked(&self, engine: &Engine, record: &RecordKey) -> Option<Marked> {
+        self.wake.as_ref()?;
+        let wakes = engine.settings.store.wakes()?;
+        let marked = engine.telemetry.timed(Operation::Mark, wakes.mark(record));
+        match marked.await {
+            Ok(marked) => Some(marked),
+            Err(error) => {
+                tracing::debug!(
+                    error = &error as &dyn std::error::Error,
+                    "could not mark the key waited for; polling"
+                );
+                None
+            }
+        }
+    }
+}
+
+/// Whether `gone` resolved already.
+pub(super) fn left(gone: &mut (impl Future<Output = ()> + Unpin)) -> bool {
+    gone.now_or_never().is_some()
+}
+
 /// The keys this process's requests are waiting on, each with a notification their owner (on
 /// this process) fires once it has finalized the key. Requests waiting on an owner elsewhere in
-/// the fleet poll the store instead.
+/// the fleet hear from the store (or poll it).
 #[derive(Debug, Default)]
 pub(crate) struct Waiters {
     keys: Mutex<HashMap<RecordKey, Weak<Notify>>>,

@@ -1,7 +1,7 @@
 //! The contract every store keeps with the layer: the four owner-checked operations and what
 //! the layer needs to know of a store ([`Store`]); what a store may offer besides, to an
-//! operator ([`Admin`]) and to the completer ([`Recovery`]); and the claim of a store that
-//! stands in front of another ([`Front`]).
+//! operator ([`Admin`]), to the completer ([`Recovery`]) and to the duplicates that wait for a
+//! key ([`Wakes`]); and the claim of a store that stands in front of another ([`Front`]).
 
 use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 
@@ -10,6 +10,7 @@ use super::{
     diagnosis::{Diagnosis, Severity},
     error::StoreError,
     views::{Abandoned, RecordInfo},
+    wake::{Marked, Wake},
 };
 use crate::response::StoredResponse;
 
@@ -31,7 +32,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 ///   [`tombstone_horizon`](Self::tombstone_horizon), and its [`detached`](Self::detached) twin
 ///   for lease renewals;
 /// - [`offers`](Self::offers): what else the store offers, each a trait of its own: an
-///   operator's paths ([`Admin`]), the completer's ([`Recovery`]);
+///   operator's paths ([`Admin`]), the completer's ([`Recovery`]), waking the duplicates that
+///   wait for a key ([`Wakes`]);
 /// - [`wrapped`](Self::wrapped): for a store that wraps another (a cache, a fault injector, a
 ///   counter), the store it wraps, whose answers to the methods above are this one's unless it
 ///   overrides them. A wrapper implements the four operations and `wrapped`, and nothing else
@@ -95,9 +97,9 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// What the store offers besides the four operations: an operator's paths ([`Admin`]:
-    /// inspect, forget, list what is stuck, diagnose its servers) and the completer's
-    /// ([`Recovery`]). By default the wrapped store's, or nothing: a store of the four
-    /// operations alone.
+    /// inspect, forget, list what is stuck, diagnose its servers), the completer's
+    /// ([`Recovery`]), and waking waiters ([`Wakes`]). By default the wrapped store's, or
+    /// nothing: a store of the four operations alone.
     fn offers(&self) -> Offers<'_> {
         self.wrapped()
             .map(|inner| inner.offers())
@@ -186,6 +188,10 @@ pub struct Offers<'a> {
     /// The completer's paths, where the store keeps work that outlives its owner: Postgres,
     /// alone or behind Redis.
     pub recovery: Option<&'a dyn Recovery>,
+    /// Waking the duplicates that wait for a key, wherever in the fleet they are: Redis
+    /// (pub/sub) and Postgres (`LISTEN`/`NOTIFY`). Without it a duplicate on another instance
+    /// polls the store.
+    pub wakes: Option<&'a dyn Wakes>,
 }
 
 impl<'a> Offers<'a> {
@@ -207,6 +213,13 @@ impl<'a> Offers<'a> {
         self.recovery = Some(recovery);
         self
     }
+
+    /// With waking waiters.
+    #[must_use]
+    pub fn with_wakes(mut self, wakes: &'a dyn Wakes) -> Self {
+        self.wakes = Some(wakes);
+        self
+    }
 }
 
 impl std::fmt::Debug for Offers<'_> {
@@ -214,6 +227,7 @@ impl std::fmt::Debug for Offers<'_> {
         f.debug_struct("Offers")
             .field("admin", &self.admin.is_some())
             .field("recovery", &self.recovery.is_some())
+            .field("wakes", &self.wakes.is_some())
             .finish()
     }
 }
@@ -317,6 +331,26 @@ pub trait Recovery: Send + Sync {
     ) -> BoxFuture<'a, Result<(), StoreError>>;
 }
 
+/// What a store offers the duplicates that wait for a key held elsewhere in the fleet: word of
+/// the key's end, the moment its owner completes or releases it, so that a waiter claims again
+/// then rather than polling. Offered ([`Store::offers`]) by Redis and Postgres.
+///
+/// A waiter [`listen`](Self::listen)s, then [`mark`](Self::mark)s the key's record as waited for;
+/// a completion or release of a marked record tells every process that listens, and one of an
+/// unmarked record tells nobody (it costs nothing more). Word may be lost (a connection
+/// dropped, a failover) or come late: the layer still polls, at a slow period, and claims again
+/// when the holder's lease ends.
+pub trait Wakes: Send + Sync {
+    /// Listens for the end of `record`, for this process: one subscription per process and key,
+    /// shared by every waiter of the process, on one connection of the store's own. The
+    /// [`Wake`] once the store listens; `Err` where it cannot (the waiter then polls).
+    fn listen<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<Wake, StoreError>>;
+
+    /// Marks `record` as waited for, if it is held: its owner's completion or release then
+    /// tells the listeners. Idempotent; a key taken over since is marked anew.
+    fn mark<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<Marked, StoreError>>;
+}
+
 impl dyn Store {
     /// What the store offers an operator, or why `operation` cannot be done on it.
     pub(crate) fn admin_for(&self, operation: &'static str) -> Result<&dyn Admin, StoreError> {
@@ -324,6 +358,11 @@ impl dyn Store {
             store: self.kind(),
             operation,
         })
+    }
+
+    /// What the store offers the duplicates that wait, if anything.
+    pub(crate) fn wakes(&self) -> Option<&dyn Wakes> {
+        self.offers().wakes
     }
 
     /// What the store offers the completer, or why `operation` cannot be done on it.

@@ -49,6 +49,7 @@
 //! |---|---|---|
 //! | [`Admin`], in [`Store::offers`] | every store of the crate | an operator: [`inspect`](Admin::inspect), [`forget`](Admin::forget), [`stuck`](Admin::stuck), [`diagnose`](Admin::diagnose) |
 //! | [`Recovery`], in [`Store::offers`] | Postgres, alone or behind Redis | the [completer](crate::completer) and the [recovery hook](crate::IdempotencyLayer::with_recovery) |
+//! | [`Wakes`], in [`Store::offers`] | Redis, Postgres, and Redis in front of Postgres | waking the duplicates that wait for a key held elsewhere in the fleet |
 //! | [`Front`] | Redis, the memory store, [`CachedStore`] of a front | standing in front of an authority in a [`TieredStore`] |
 //!
 //! A store that wraps another names it ([`Store::wrapped`]) and implements only what it
@@ -66,6 +67,7 @@ pub(crate) mod postgres;
 mod redis;
 mod tiered;
 mod views;
+mod wake;
 
 pub use self::{
     cached::{
@@ -73,12 +75,13 @@ pub use self::{
         DEFAULT_CACHE_MAX_ENTRIES, Watch, Watcher,
     },
     claim::{ClaimOutcome, ClaimRequest, Lease, Ownership, RecordKey},
-    contract::{Admin, BoxError, BoxFuture, Front, Offers, Recovery, Store},
+    contract::{Admin, BoxError, BoxFuture, Front, Offers, Recovery, Store, Wakes},
     diagnosis::{Diagnosis, Finding, NotReady, Severity},
     error::StoreError,
     memory::{DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MAX_ENTRIES, MemoryStore},
     tiered::{DEFAULT_BREAKER_COOLDOWN, TieredStore},
     views::{Abandoned, RecordInfo, RecordState},
+    wake::{Marked, Wake},
 };
 pub use crate::{
     fingerprint::Fingerprint,

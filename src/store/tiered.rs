@@ -281,12 +281,19 @@ impl<F: Front, A: Store> Store for TieredStore<F, A> {
 
     /// An operator's paths where the authority offers them (the truth is the authority's,
     /// and a key is forgotten in both tiers); the authority's recovery, which knows what was
-    /// committed and abandoned.
+    /// committed and abandoned; and the front's word of a key's end, where it gives it.
+    ///
+    /// The front's word rather than the authority's: a key's completion writes the front right
+    /// after the authority, so its word comes a round trip after the answer exists, and the
+    /// waiter it wakes is answered by the front in one; marking a key and telling of its end
+    /// cost the front a command each, where telling them through Postgres would take its
+    /// notify lock at the completion's commit. While the front is down, its waiters poll.
     fn offers(&self) -> Offers<'_> {
-        let authority = self.authority.offers();
+        let (front, authority) = (self.front.offers(), self.authority.offers());
         Offers {
             admin: authority.admin.map(|_| self as &dyn Admin),
-            ..authority
+            recovery: authority.recovery,
+            wakes: front.wakes.or(authority.wakes),
         }
     }
 }

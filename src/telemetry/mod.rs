@@ -21,6 +21,7 @@
 //! | `idempotency_store_errors_total` | counter | `operation`, `store` | store calls that failed |
 //! | `idempotency_claims_held` | gauge | | keys this instance holds right now (handlers running, finalizes retried) |
 //! | `idempotency_waits_total` | counter | | requests that found their key in flight and waited |
+//! | `idempotency_wait_wakeups_total` | counter | `by` (`process`, `store`, `poll`) | what ended each pause of a waiting request: its owner in this process finalizing, the store's word from another instance, or a poll (the slow backstop, the holder's lease ending, or a store without word) |
 //! | `idempotency_leases_lost_total` | counter | | leases found in another owner's hands (the stale owner wrote nothing) |
 //! | `idempotency_grants_lapsed_total` | counter | | claims granted whose lease ran out before this process could act on them (its runtime was blocked): not run, claimed again |
 //! | `idempotency_finalize_failures_total` | counter | | finalizes still failing after the quick retries (then retried with the key held) |
@@ -151,6 +152,12 @@ counters! {
     releases,
     /// Requests that found their key in flight and waited for the first request to finish.
     waits,
+    /// Pauses of a waiting request that the store's word ended (the key completed or was
+    /// released on another instance), or this process's owner's.
+    woken,
+    /// Pauses of a waiting request that ran their course: the slow poll, or a poll without the
+    /// store's word (a store that gives none, or a listener that is not connected).
+    polled,
     /// 409 answers to a request whose key was still in flight after the wait (or committed by an
     /// owner that died before storing its response).
     in_flight,
@@ -277,6 +284,16 @@ impl Telemetry {
     pub(crate) fn waiting(&self) {
         self.counters.add(|c| &c.waits);
         count("idempotency_waits_total");
+    }
+
+    /// A pause of a waiting request ended: woken, or polled.
+    pub(crate) fn woke(&self, by: Wakeup) {
+        match by {
+            Wakeup::Process | Wakeup::Store => self.counters.add(|c| &c.woken),
+            Wakeup::Poll => self.counters.add(|c| &c.polled),
+        }
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idempotency_wait_wakeups_total", "by" => by.as_str()).increment(1);
     }
 
     /// A key completed (`true`) or released by its owner.
@@ -438,6 +455,33 @@ pub(crate) fn claims_held(delta: f64) {
     metrics::gauge!("idempotency_claims_held").increment(delta);
     #[cfg(not(feature = "metrics"))]
     let _ = delta;
+}
+
+/// What ended a pause of a waiting request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wakeup {
+    /// The key's owner in this process finalized it.
+    Process,
+    /// The store said the key ended (or may have: its listener reconnected).
+    Store,
+    /// The pause ran its course: the slow poll, the holder's lease ending, or a poll without
+    /// the store's word.
+    Poll,
+}
+
+impl Wakeup {
+    #[cfg(feature = "metrics")]
+    const ALL: [Self; 3] = [Self::Process, Self::Store, Self::Poll];
+
+    /// The `by` label.
+    #[cfg(feature = "metrics")]
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Process => "process",
+            Self::Store => "store",
+            Self::Poll => "poll",
+        }
+    }
 }
 
 /// A counter without labels.

@@ -98,10 +98,6 @@ pub(crate) fn register_layer_metrics(store: &'static str) {
         );
         let counters = [
             (
-                "idempotency_waits_total",
-                "requests that found their key in flight and waited",
-            ),
-            (
                 "idempotency_leases_lost_total",
                 "leases found in another owner's hands",
             ),
@@ -119,6 +115,7 @@ pub(crate) fn register_layer_metrics(store: &'static str) {
             metrics::counter!(name).increment(0);
         }
         metrics::gauge!("idempotency_claims_held").increment(0.0);
+        register_waits();
         // Every outcome's series, so that a panel or an alert on a rare one (outcome_unknown)
         // has a series from the start, not "No data" until it first happens.
         for outcome in crate::IdempotencyOutcome::ALL {
@@ -129,6 +126,23 @@ pub(crate) fn register_layer_metrics(store: &'static str) {
             metrics::counter!("idempotency_store_errors_total", "operation" => operation.as_str(), "store" => store)
                 .increment(0);
         }
+    }
+}
+
+/// Registers the waits of duplicates, and what ends their pauses, at zero.
+#[cfg(feature = "metrics")]
+fn register_waits() {
+    metrics::describe_counter!(
+        "idempotency_waits_total",
+        "requests that found their key in flight and waited"
+    );
+    metrics::counter!("idempotency_waits_total").increment(0);
+    metrics::describe_counter!(
+        "idempotency_wait_wakeups_total",
+        "what ended each pause of a waiting duplicate: its owner in this process, the store's word, or the slow poll"
+    );
+    for by in super::Wakeup::ALL {
+        metrics::counter!("idempotency_wait_wakeups_total", "by" => by.as_str()).increment(0);
     }
 }
 
@@ -149,16 +163,19 @@ pub(crate) enum Operation {
     Renew,
     Complete,
     Release,
+    /// A waiter marking the key it waits for, and listening for its end.
+    Mark,
 }
 
 #[cfg(feature = "metrics")]
 impl Operation {
-    pub(super) const ALL: [Self; 5] = [
+    pub(super) const ALL: [Self; 6] = [
         Self::Claim,
         Self::Adopt,
         Self::Renew,
         Self::Complete,
         Self::Release,
+        Self::Mark,
     ];
 
     /// The `operation` label.
@@ -169,6 +186,7 @@ impl Operation {
             Self::Renew => "renew",
             Self::Complete => "complete",
             Self::Release => "release",
+            Self::Mark => "mark",
         }
     }
 }

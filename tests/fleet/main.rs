@@ -300,6 +300,7 @@ mod stalls;
 mod store_faults;
 mod kills;
 mod citus;
+mod wakeups;
 
 /// A test whose program is missing is reported as not run (see `tests/support/needs.rs`).
 fn main() -> std::process::ExitCode {
@@ -322,6 +323,13 @@ fn main() -> std::process::ExitCode {
     ];
     tests.extend(crate::tests![&[];
         kills::a_hanging_provider_holds_no_lock_and_duplicates_are_told_it_is_in_flight,
+    ]);
+    tests.extend(crate::tests![&[PostgresServer];
+        wakeups::a_duplicate_on_another_instance_is_woken_by_postgres_not_polling,
+    ]);
+    tests.extend(crate::tests![&[RedisServer, PostgresServer];
+        wakeups::a_duplicate_on_another_instance_is_woken_by_redis_not_polling,
+        wakeups::a_herd_of_duplicates_over_four_instances_listens_once_a_process,
     ]);
     tests.extend(crate::tests![&[RedisServer, RedisCli];
         store_faults::a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_resharding,

@@ -123,6 +123,8 @@ fn main() -> std::process::ExitCode {
             schema::claims_and_fences_stay_index_lookups_after_the_table_grew_from_empty;
         multi(4):
             concurrent_claims_from_two_instances_yield_one_owner_every_round;
+        multi(2):
+            wakeups::a_duplicate_elsewhere_is_woken_by_postgres_and_a_key_nobody_waits_for_is_never_told;
     ]);
     support::run(tests)
 }
@@ -228,3 +230,4 @@ mod completer;
 mod partitioning;
 mod schema;
 mod outages;
+mod wakeups;

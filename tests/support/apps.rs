@@ -280,3 +280,61 @@ impl Drop for MockProvider {
         self.task.abort();
     }
 }
+
+/// What a duplicate sent to another instance got ([`duplicate_elsewhere`]).
+pub struct Duplicate {
+    /// The duplicate's answer.
+    pub answer: Answer,
+    /// The first request's answer.
+    pub first: Answer,
+    /// The duplicate's instance's counters.
+    pub counters: tower_idempotency::telemetry::CountersSnapshot,
+    /// How many times the handler ran, on either instance.
+    pub runs: usize,
+}
+
+/// Two instances of one app, each its own layer on its own store (`first`, `second`: two
+/// store objects on one backend, as two processes have), the handler answering 201 "paid" once
+/// `gate` opens. The key `key` is sent to the first instance, and, 100 ms later, to the second,
+/// which waits; once it has waited 300 ms, `meanwhile` runs, then the gate opens.
+pub async fn duplicate_elsewhere<S: Store>(
+    (first, second): (S, S),
+    key: &'static str,
+    meanwhile: impl AsyncFnOnce(),
+) -> Duplicate {
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let instance = |store: S| {
+        let (gate, runs) = (gate.clone(), runs.clone());
+        let handler = move || async move {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _open = gate.acquire().await.unwrap();
+            (StatusCode::CREATED, "paid")
+        };
+        let layer = tower_idempotency::IdempotencyLayer::new(store);
+        let counters = layer.counters();
+        let app =
+            axum::Router::new().route("/pay", axum::routing::post(handler).route_layer(layer));
+        (app, counters)
+    };
+    let ((first_app, _), (second_app, counters)) = (instance(first), instance(second));
+    let request = move || {
+        Request::post("/pay")
+            .header("idempotency-key", key)
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
+    let first = tokio::spawn(async move { call(&first_app, request()).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = tokio::spawn(async move { call(&second_app, request()).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    meanwhile().await;
+    gate.add_permits(1_000);
+    let (first, answer) = (first.await.unwrap(), second.await.unwrap());
+    Duplicate {
+        answer,
+        first,
+        counters: counters.snapshot(),
+        runs: runs.load(std::sync::atomic::Ordering::SeqCst),
+    }
+}

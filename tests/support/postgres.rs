@@ -171,6 +171,11 @@ impl PgCluster {
         postgres_url(self.port)
     }
 
+    /// What the server has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+    }
+
     /// Where the server listens.
     pub fn address(&self) -> std::net::SocketAddr {
         ([127, 0, 0, 1], self.port).into()

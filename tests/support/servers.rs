@@ -114,6 +114,29 @@ impl RedisServer {
         redis_connection(&self.url()).await
     }
 
+    /// The clients subscribed to something: each one's id and how many channels it listens on
+    /// (`sub` and `ssub` of `CLIENT LIST`; a RESP3 subscriber is not of the `pubsub` type).
+    pub async fn subscribers(&self) -> Vec<(String, u64)> {
+        let clients: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query_async(&mut self.admin().await)
+            .await
+            .unwrap();
+        let field = |line: &str, name: &str| {
+            line.split(' ')
+                .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+                .map(str::to_owned)
+        };
+        let count = |line: &str, name| field(line, name).and_then(|n| n.parse::<u64>().ok());
+        clients
+            .lines()
+            .filter_map(|line| {
+                let channels = count(line, "sub").unwrap_or(0) + count(line, "ssub").unwrap_or(0);
+                Some((field(line, "id")?, channels)).filter(|_| channels > 0)
+            })
+            .collect()
+    }
+
     /// Whether the server has `SET … IFEQ` (Valkey 8.1, Redis 8.4), asked of a key that does
     /// not exist, so nothing is written either way.
     pub async fn has_set_ifeq(&self) -> bool {
@@ -166,6 +189,24 @@ impl RedisServer {
     pub async fn errors(&self, command: &str) -> u64 {
         let stats = self.command_stats(command).await;
         stats("rejected_calls") + stats("failed_calls")
+    }
+
+    /// How many commands the server ran since the last reset, whatever they were, but for the
+    /// tests' own looks at it (`INFO`, `CONFIG`): what its clients cost it.
+    pub async fn all_calls(&self) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut self.admin().await)
+            .await
+            .unwrap();
+        info.lines()
+            .filter_map(|line| line.trim().strip_prefix("cmdstat_"))
+            .filter(|line| !line.starts_with("info:") && !line.starts_with("config"))
+            .filter_map(|line| {
+                let calls = line.split(':').nth(1)?.split(',').next()?;
+                calls.strip_prefix("calls=")?.parse::<u64>().ok()
+            })
+            .sum()
     }
 
     /// `command`'s line of `INFO commandstats`, as a lookup of its fields (0 where absent).
@@ -266,8 +307,13 @@ pub struct TestSchema {
 
 impl TestSchema {
     pub async fn new() -> Self {
+        Self::on(&database_url()).await
+    }
+
+    /// A schema of its own on the server at `url`.
+    pub async fn on(url: &str) -> Self {
         let name = format!("test_{}", uuid::Uuid::new_v4().simple());
-        let pool = pool_in_schema(&database_url(), &name).await;
+        let pool = pool_in_schema(url, &name).await;
         Self { name, pool }
     }
 

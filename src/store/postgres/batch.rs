@@ -338,6 +338,35 @@ impl PostgresStore {
         tokio::join!(firsts, again);
     }
 
+    /// The rows of a set-based completion or release: [`rows`](Self::rows), and the keys it
+    /// ended that a duplicate waits for told ([`tell`](PostgresStore::tell)).
+    async fn rows_told<'q, T: Write>(
+        &self,
+        (key, batch): (Option<(&str, &str)>, &[Queued<T>]),
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        verdict: impl Fn(&PgRow) -> Result<Option<Ownership>, sqlx::Error>,
+    ) -> Result<Vec<Option<Ownership>>, StoreError> {
+        let waited = std::sync::Mutex::new(Vec::new());
+        let answers = self
+            .rows(key, query, batch.len(), |row| {
+                if row.try_get::<bool, _>("waited")? {
+                    let n: i64 = row.try_get("n")?;
+                    waited.lock().unwrap_or_else(|e| e.into_inner()).push(n);
+                }
+                verdict(row)
+            })
+            .await?;
+        let waited = waited.into_inner().unwrap_or_else(|e| e.into_inner());
+        if !waited.is_empty() {
+            let ended = waited.iter().filter_map(|n| {
+                let queued = batch.get(usize::try_from(*n - 1).ok()?)?;
+                Some(queued.call.key())
+            });
+            self.tell(ended).await;
+        }
+        Ok(answers)
+    }
+
     /// The rows of a set-based write: for each, by its ordinal `n` (from 1), what `verdict`
     /// reads of it; `None` for a write that has no row.
     async fn rows<'q>(
@@ -398,26 +427,29 @@ impl Write for Completion {
             .bind(column(&calls, |c| &c.response[..]))
             .bind(calls[0].retention_ms);
         let key = calls[0].key();
-        Box::pin(store.rows(Some(key), query, batch.len(), |_| Ok(Some(Ownership::Held))))
+        Box::pin(store.rows_told((Some(key), batch), query, |_| Ok(Some(Ownership::Held))))
     }
 
     fn one<'a>(&'a self, store: &'a PostgresStore) -> BoxFuture<'a, Result<Ownership, StoreError>> {
         Box::pin(async move {
             let key = (self.scope.as_str(), self.key.as_str());
-            let updated = store
+            let completed: Option<bool> = store
                 .on_key_planned(key, Plans::Generic, async |connection| {
-                    sqlx::query(COMPLETE)
+                    sqlx::query_scalar(COMPLETE)
                         .bind(&self.scope)
                         .bind(&self.key)
                         .bind(self.owner)
                         .bind(self.status)
                         .bind(&self.response[..])
                         .bind(self.retention_ms)
-                        .execute(connection)
+                        .fetch_optional(connection)
                         .await
                 })
                 .await?;
-            Ok(held_if_one(updated.rows_affected()))
+            if completed == Some(true) {
+                store.tell([key]).await;
+            }
+            Ok(held_if_one(u64::from(completed.is_some())))
         })
     }
 
@@ -433,7 +465,7 @@ impl Write for Completion {
             .bind(column(&calls, |c| c.status))
             .bind(column(&calls, |c| &c.response[..]))
             .bind(column(&calls, |c| c.retention_ms));
-        Box::pin(store.rows(None, query, batch.len(), |row| {
+        Box::pin(store.rows_told((None, batch), query, |row| {
             Ok(match (row.try_get("completed")?, row.try_get("owned")?) {
                 (true, _) => Some(Ownership::Held),
                 (false, true) => None,
@@ -460,20 +492,24 @@ impl Write for Release {
                 let query = sqlx::query(sql).bind(&self.scope).bind(&self.key);
                 query.bind(self.owner)
             };
-            let (released, committed): (bool, bool) = store
+            let (released, committed, waited): (bool, bool, bool) = store
                 .on_key_planned(key, Plans::Generic, async |connection| {
                     if !store.distributed {
                         let row = bound(RELEASE).fetch_one(connection).await?;
-                        return Ok((row.try_get("released")?, row.try_get("committed")?));
+                        let released = (row.try_get("released")?, row.try_get("committed")?);
+                        return Ok((released.0, released.1, row.try_get("waited")?));
                     }
-                    let ended = bound(END_LEASE).execute(&mut *connection).await?;
-                    if ended.rows_affected() == 1 {
-                        return Ok((true, false));
+                    let ended = bound(END_LEASE).fetch_optional(&mut *connection).await?;
+                    if let Some(ended) = ended {
+                        return Ok((true, false, ended.try_get("waited")?));
                     }
                     let committed = bound(COMMITTED).fetch_optional(connection).await?;
-                    Ok((false, committed.is_some()))
+                    Ok((false, committed.is_some(), false))
                 })
                 .await?;
+            if waited {
+                store.tell([key]).await;
+            }
             Ok(match (released, committed) {
                 (true, _) => Ownership::Held,
                 (false, true) => Ownership::Committed,
@@ -491,7 +527,7 @@ impl Write for Release {
             .bind(column(&calls, |c| c.scope.as_str()))
             .bind(column(&calls, |c| c.key.as_str()))
             .bind(column(&calls, |c| c.owner));
-        Box::pin(store.rows(None, query, batch.len(), |row| {
+        Box::pin(store.rows_told((None, batch), query, |row| {
             let flags = (
                 row.try_get("released")?,
                 row.try_get("committed")?,

@@ -97,6 +97,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "completer",
         include_str!("../../../migrations/20261205000000_completer.sql"),
     ),
+    (
+        20261207000000,
+        "waiters",
+        include_str!("../../../migrations/20261207000000_waiters.sql"),
+    ),
 ];
 
 /// The optional migration that hash-partitions `idempotency_keys` on (scope, key), 4 ways:

@@ -10,6 +10,7 @@ mod migrations;
 mod shards;
 mod sql;
 pub(crate) mod unit;
+mod wakes;
 
 use std::{
     future::Future,
@@ -115,6 +116,9 @@ pub struct PostgresStore {
     clock_skew: Option<Duration>,
     /// Calls waiting for a lane, shared by the store's clones.
     lanes: Lanes,
+    /// The keys this process's waiters listen for, and the listener, shared by the store's
+    /// clones.
+    listening: wakes::Listening,
 }
 
 /// The store's lanes (`batch.rs`), by kind of call.
@@ -205,6 +209,7 @@ impl PostgresStore {
                 DEFAULT_POSTGRES_BATCH,
                 Duration::ZERO,
             ),
+            listening: wakes::Listening::default(),
         }
     }
 
@@ -755,7 +760,10 @@ impl Store for PostgresStore {
     }
 
     fn offers(&self) -> Offers<'_> {
-        Offers::none().with_admin(self).with_recovery(self)
+        Offers::none()
+            .with_admin(self)
+            .with_recovery(self)
+            .with_wakes(self)
     }
 }
 

@@ -261,7 +261,9 @@ SET fingerprint = $3, state = 'in_flight', owner = $4, fence = greatest(fence + 
     recovery_payload = CASE
         WHEN state = 'in_flight' AND fingerprint = $3 THEN recovery_payload END,
     request = CASE WHEN state = 'in_flight' AND fingerprint = $3 THEN request END,
-    status = NULL, response = NULL, suspect = false, created_at = now(), updated_at = now()
+    status = NULL, response = NULL, suspect = false, created_at = now(), updated_at = now(),
+    -- Duplicates waiting for a key in flight go on waiting for its new owner.
+    waited = (state = 'in_flight' AND waited)
 WHERE scope = $1 AND key = $2
 RETURNING fence
 ";
@@ -333,7 +335,8 @@ FROM r
 ";
 
 /// Completes the key; a response the handler stored with the fence (`commit_with_response`) is
-/// kept: one key, one stored answer, whichever path stored it.
+/// kept: one key, one stored answer, whichever path stored it. A row if it did, and whether a
+/// duplicate waits for the key (`waited`: [`TELL`] it).
 pub(super) const COMPLETE: &str = r"
 UPDATE idempotency_keys
 SET state = 'completed',
@@ -342,23 +345,24 @@ SET state = 'completed',
     lease_until = now(), request = NULL,
     expires_at = now() + $6::float8 * interval '1 millisecond', updated_at = now()
 WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committed')
+RETURNING waited
 ";
 
 /// [`COMPLETE`] for many keys at once, or one (`batch.rs`): $1 scopes, $2 keys, $3 owners, $4
 /// statuses, $5 responses, $6 retentions (ms), one element per completion. A row per
 /// completion, by its ordinal `n` (from 1): `completed`, or `owned` without being completed when
 /// another transaction held its row (skipped, not waited for), or neither when the owner lost
-/// it. A key its owner committed with its answer (`commit_with_response`, `commit_with_outcome`)
-/// is complete already: every claim answers it with that answer, and its retention ran from the
-/// fence. It is answered `completed` without a write: no lock, no row version, no WAL, no
-/// transaction id.
+/// it; and `waited` when a duplicate waits for a key completed ([`TELL`] it). A key its owner
+/// committed with its answer (`commit_with_response`, `commit_with_outcome`) is complete
+/// already: every claim answers it with that answer, and its retention ran from the fence. It
+/// is answered `completed` without a write: no lock, no row version, no WAL, no transaction id.
 pub(super) const COMPLETE_MANY: &str = r"
 WITH r AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[], $4::int2[], $5::bytea[], $6::float8[])
         WITH ORDINALITY AS r(scope, key, owner, status, response, retention_ms, n)
 ),
 mine AS (
-    SELECT r.n, k.state, k.response IS NOT NULL AS answered
+    SELECT r.n, k.state, k.response IS NOT NULL AS answered, k.waited
     FROM idempotency_keys k JOIN r ON k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
     WHERE k.state IN ('in_flight', 'committed')
 ),
@@ -374,13 +378,16 @@ done AS (
         request = NULL, expires_at = now() + r.retention_ms * interval '1 millisecond', updated_at = now()
     FROM target t JOIN r ON r.n = t.n
     WHERE k.scope = t.scope AND k.key = t.key
-    RETURNING t.n
+    RETURNING t.n, k.waited
 )
 SELECT r.n,
        EXISTS (SELECT 1 FROM done WHERE done.n = r.n)
            OR EXISTS (SELECT 1 FROM mine WHERE mine.n = r.n AND mine.state = 'committed'
                                                AND mine.answered) AS completed,
-       EXISTS (SELECT 1 FROM mine WHERE mine.n = r.n) AS owned
+       EXISTS (SELECT 1 FROM mine WHERE mine.n = r.n) AS owned,
+       EXISTS (SELECT 1 FROM done WHERE done.n = r.n AND done.waited)
+           OR EXISTS (SELECT 1 FROM mine WHERE mine.n = r.n AND mine.state = 'committed'
+                                               AND mine.answered AND mine.waited) AS waited
 FROM r
 ";
 
@@ -406,27 +413,30 @@ SET state = 'completed',
 WHERE scope = ANY($1::text[]) AND key = ANY($2::text[])
   AND owner = ($3::uuid[])[array_position($2::text[], key)]
   AND state IN ('in_flight', 'committed')
-RETURNING array_position($2::text[], key)::int8 AS n
+RETURNING array_position($2::text[], key)::int8 AS n, waited
 ";
 
-/// Releases the key, waiting for its row lock if another transaction holds it.
+/// Releases the key, waiting for its row lock if another transaction holds it; `waited` when a
+/// duplicate waits for it ([`TELL`] it).
 pub(super) const RELEASE: &str = r"
 WITH released AS (
     DELETE FROM idempotency_keys
     WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'in_flight'
       AND recovery_point IS NULL
-    RETURNING 1
+    RETURNING waited
 ),
 -- A key with progress is not deleted: its lease ends, and the next attempt resumes it.
 paused AS (
     UPDATE idempotency_keys SET lease_until = now(), updated_at = now()
     WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'in_flight'
       AND recovery_point IS NOT NULL
-    RETURNING 1
+    RETURNING waited
 )
 SELECT EXISTS (SELECT 1 FROM released) OR EXISTS (SELECT 1 FROM paused) AS released,
        EXISTS (SELECT 1 FROM idempotency_keys
-               WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'committed') AS committed
+               WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'committed') AS committed,
+       EXISTS (SELECT 1 FROM released WHERE waited)
+           OR EXISTS (SELECT 1 FROM paused WHERE waited) AS waited
 ";
 
 /// A release on Citus: the lease ends and the row stays, in flight, for the next claim to take
@@ -436,6 +446,7 @@ SELECT EXISTS (SELECT 1 FROM released) OR EXISTS (SELECT 1 FROM paused) AS relea
 pub(super) const END_LEASE: &str = r"
 UPDATE idempotency_keys SET lease_until = now(), updated_at = now()
 WHERE scope = $1 AND key = $2 AND owner = $3 AND state = 'in_flight'
+RETURNING waited
 ";
 
 /// A row if the key is $3's and committed (a release that found no row of its in flight).
@@ -472,7 +483,8 @@ WHERE scope = $1 AND key = $2 AND owner = $3 AND state IN ('in_flight', 'committ
 /// [`RELEASE`] for many keys at once (`batch.rs`): $1 scopes, $2 keys, $3 owners, one element
 /// per release. A row per release, by its ordinal `n` (from 1): `released`; or `committed`
 /// (the key is this owner's and committed: never released); or `owned`, in flight, when another
-/// transaction held its row (skipped, not waited for); or none of them when the owner lost it.
+/// transaction held its row (skipped, not waited for); or none of them when the owner lost it;
+/// and `waited` when a duplicate waits for a key released ([`TELL`] it).
 pub(super) const RELEASE_MANY: &str = r"
 WITH r AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[])
@@ -488,14 +500,14 @@ released AS (
     DELETE FROM idempotency_keys k
     USING target t
     WHERE k.scope = t.scope AND k.key = t.key AND t.fresh
-    RETURNING t.n
+    RETURNING t.n, k.waited
 ),
 -- A key with progress is not deleted: its lease ends, and the next attempt resumes it.
 paused AS (
     UPDATE idempotency_keys k SET lease_until = now(), updated_at = now()
     FROM target t
     WHERE k.scope = t.scope AND k.key = t.key AND NOT t.fresh
-    RETURNING t.n
+    RETURNING t.n, k.waited
 )
 SELECT r.n,
        EXISTS (SELECT 1 FROM released WHERE released.n = r.n)
@@ -505,9 +517,38 @@ SELECT r.n,
                  AND k.state = 'committed') AS committed,
        EXISTS (SELECT 1 FROM idempotency_keys k
                WHERE k.scope = r.scope AND k.key = r.key AND k.owner = r.owner
-                 AND k.state = 'in_flight') AS owned
+                 AND k.state = 'in_flight') AS owned,
+       EXISTS (SELECT 1 FROM released WHERE released.n = r.n AND released.waited)
+           OR EXISTS (SELECT 1 FROM paused WHERE paused.n = r.n AND paused.waited) AS waited
 FROM r
 ";
+
+/// Marks a key held (in flight, or committed without an answer, its lease alive) as waited
+/// for, without waiting on its row lock: `marked` when it is (a row another transaction holds,
+/// the owner's fence about to commit, is skipped), `held` when it is held at all. A key marked
+/// already is not written again. $1 scope, $2 key.
+pub(super) const MARK: &str = r"
+WITH target AS (
+    SELECT scope, key, waited FROM idempotency_keys
+    WHERE scope = $1 AND key = $2 AND lease_until > now()
+      AND (state = 'in_flight' OR (state = 'committed' AND response IS NULL))
+    FOR NO KEY UPDATE SKIP LOCKED
+),
+marked AS (
+    UPDATE idempotency_keys k SET waited = true
+    WHERE k.scope = $1 AND k.key = $2 AND EXISTS (SELECT 1 FROM target WHERE NOT waited)
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM target) AS marked,
+       EXISTS (SELECT 1 FROM idempotency_keys
+               WHERE scope = $1 AND key = $2 AND lease_until > now()
+                 AND (state = 'in_flight' OR (state = 'committed' AND response IS NULL))) AS held
+";
+
+/// Tells the instances that listen (`LISTEN tower_idempotency`) that keys a duplicate waits for
+/// ended: $1 their ids (`hashtext(scope):hashtext(key)`), a notification each.
+pub(super) const TELL: &str =
+    "SELECT count(pg_notify('tower_idempotency', id)) FROM unnest($1::text[]) AS id";
 
 /// A recovery point, advanced by the handler inside its own transaction (see
 /// `migrations/20261201000000_recovery_points.sql`).

@@ -199,9 +199,14 @@ impl RedisStore {
     /// front of an authority leaves them to it). `None` where the server has no
     /// `SET … NX GET` (Redis before 7.0), or refuses it, or where a cluster redirects the
     /// claim (the key's slot is moving): the caller runs claim.lua.
+    ///
+    /// In front of an authority (`in_front`) the fence granted only names the record (the
+    /// handler gets the authority's): the claim is the `SET` and the `PTTL` alone, and a claim
+    /// asked again by its owner is granted with its record's fence, not sent again.
     pub(super) async fn claim_by_command(
         &self,
         request: &ClaimRequest,
+        in_front: bool,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
         // A server that cannot be asked fails the claim now, as the script would, rather
         // than after the script's own wait.
@@ -215,7 +220,7 @@ impl RedisStore {
         let corrupt = |reason: String| StoreError::corrupt(STORE, request.record(), reason);
         let record = record::in_flight(request.fingerprint(), request.owner(), name)
             .ok_or_else(|| corrupt(format!("this machine's clock reads {name} µs")))?;
-        let mut claim = self.claim_pipeline(request, record);
+        let mut claim = self.claim_pipeline(request, record, !in_front);
         let (outcome, time) = loop {
             let Some((held, left, time)) = self.send_claim(&claim).await? else {
                 return Ok(None);
@@ -227,9 +232,10 @@ impl RedisStore {
                     super::script::read_record(held, request, left).map_err(corrupt)?
                 }
             };
-            // Asked again by its owner: again, in a transaction.
+            // Asked again by its owner: again, in a transaction (for a fence of the server's
+            // clock of a moment the record was still its own).
             let asked_again = held.is_some() && matches!(outcome, ClaimOutcome::Acquired { .. });
-            if asked_again && !claim.is_transaction() {
+            if asked_again && !in_front && !claim.is_transaction() {
                 claim.atomic();
                 continue;
             }
@@ -240,9 +246,11 @@ impl RedisStore {
             // claim's fence is the server's clock.
             ClaimOutcome::Acquired { fence: written } => {
                 request.note_written(written);
-                let fence = super::admin::micros(time);
+                let fence = time.map_or(Ok(written), |time| {
+                    u64::try_from(super::admin::micros(time))
+                });
                 ClaimOutcome::Acquired {
-                    fence: u64::try_from(fence).unwrap_or(u64::MAX),
+                    fence: fence.unwrap_or(u64::MAX),
                 }
             }
             ClaimOutcome::InFlight { retry_after } => ClaimOutcome::InFlight {
@@ -253,13 +261,12 @@ impl RedisStore {
     }
 
     /// Sends the claim of [`claim_by_command`](Self::claim_by_command): with the record there,
-    /// its time left (ms), and the server's clock; `None` where claim.lua claims instead.
-    async fn send_claim(
-        &self,
-        claim: &Pipeline,
-    ) -> Result<Option<(Option<Vec<u8>>, i64, (u64, u64))>, StoreError> {
+    /// its time left (ms), and the server's clock where it was asked; `None` where claim.lua
+    /// claims instead.
+    async fn send_claim(&self, claim: &Pipeline) -> Result<Option<ClaimReply>, StoreError> {
+        let asks_time = claim.len() == 3;
         self.call(
-            async |connection| match claim.query_async(connection).await {
+            async |connection| match claim.query_async::<Vec<Value>>(connection).await {
                 Err(error) if refusal(&error) => {
                     tracing::debug!(%error, "Redis refused SET … NX GET: claim.lua claims");
                     self.known.refuse(Offers::SET_NX_GET);
@@ -272,15 +279,17 @@ impl RedisStore {
                     tracing::debug!(%error, "the key's slot is moving: claim.lua claims");
                     Ok(None)
                 }
-                reply => reply.map(Some),
+                Err(error) => Err(error),
+                Ok(reply) => claim_reply(reply, asks_time).map(Some),
             },
         )
         .await
     }
 
     /// The pipeline of [`claim_by_command`](Self::claim_by_command): `record` set where no
-    /// record is, for the lease, with the record there, its time left and the server's clock.
-    fn claim_pipeline(&self, request: &ClaimRequest, record: Vec<u8>) -> Pipeline {
+    /// record is, for the lease, with the record there, its time left and, `with_time`, the
+    /// server's clock.
+    fn claim_pipeline(&self, request: &ClaimRequest, record: Vec<u8>, with_time: bool) -> Pipeline {
         let key = self.record_key(request.record());
         // Each command built at its size (see `super::command`): `NX GET PX` and 20 digits.
         let mut set = super::command("SET", 7, key.len() + record.len() + 27);
@@ -291,7 +300,9 @@ impl RedisStore {
         let mut claim = ::redis::Pipeline::with_capacity(3);
         claim.add_command(set);
         claim.add_command(left);
-        claim.add_command(super::command("TIME", 1, 0));
+        if with_time {
+            claim.add_command(super::command("TIME", 1, 0));
+        }
         claim
     }
 
@@ -385,6 +396,27 @@ impl RedisStore {
             })
             .transpose()
     }
+}
+
+/// A claim pipeline's replies: the record there (if any), its time left (ms), and the server's
+/// clock (seconds, microseconds) where it was asked.
+type ClaimReply = (Option<Vec<u8>>, i64, Option<(u64, u64)>);
+
+/// Reads a claim pipeline's replies, the server's clock among them where it was asked
+/// (`asks_time`).
+fn claim_reply(reply: Vec<Value>, asks_time: bool) -> Result<ClaimReply, RedisError> {
+    let mut replies = reply.into_iter();
+    let mut next = || {
+        let short = || RedisError::from((ErrorKind::Client, "a short claim reply"));
+        replies.next().ok_or_else(short)
+    };
+    let held: Option<Vec<u8>> = ::redis::from_redis_value(next()?)?;
+    let left: i64 = ::redis::from_redis_value(next()?)?;
+    let time = match asks_time {
+        true => Some(::redis::from_redis_value(next()?)?),
+        false => None,
+    };
+    Ok((held, left, time))
 }
 
 /// Whether `error` says the server does not have what it was sent (`ERR`: an unknown command

@@ -7,6 +7,7 @@ mod connection;
 mod diagnose;
 mod record;
 mod script;
+mod wakes;
 mod watch;
 
 use std::{sync::Arc, time::Duration};
@@ -70,7 +71,7 @@ use crate::response::StoredResponse;
 /// by a clone of its claim), so a lease finalizes the same on every server. In front
 /// of an authority ([`TieredStore`](crate::store::TieredStore), see [`Front`](crate::store::Front))
 /// the authority's fence is the handler's and its tombstones the ones that count, so the
-/// claim is the pipeline above even with tombstones. `DELEX … IFEQ` (Redis 8.4) is not used
+/// claim is the pipeline above even with tombstones, less its `TIME`. `DELEX … IFEQ` (Redis 8.4) is not used
 /// yet. The records are the same either way. The store asks the server which of these
 /// commands it has, once, before its first claim (`COMMAND DOCS SET`, `COMMAND INFO`: from what
 /// the server says, not from its version string; the doctor's version line asks the same); a
@@ -113,6 +114,9 @@ pub struct RedisStore {
     known: Arc<compare::Known>,
     /// How long after its completion a key is kept as a tombstone (zero: not at all).
     horizon: Duration,
+    /// Waking waiters: the keys this process's waiters listen for, and the task that listens,
+    /// started with the first, shared by the store's clones.
+    wakes: Arc<wakes::Wakes>,
 }
 
 /// The default bound on one Redis call.
@@ -185,6 +189,7 @@ impl RedisStore {
             timeout: DEFAULT_REDIS_TIMEOUT,
             known: Arc::default(),
             horizon: Duration::ZERO,
+            wakes: Arc::new(wakes::Wakes::new("idempotency:")),
         }
     }
 
@@ -229,7 +234,9 @@ impl RedisStore {
     /// The prefix of every key this store writes (`idempotency:` by default): separates
     /// applications or environments sharing one Redis.
     pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = Arc::from(prefix.into());
+        let prefix: Arc<str> = Arc::from(prefix.into());
+        self.wakes = Arc::new(wakes::Wakes::new(&prefix));
+        self.prefix = prefix;
         self
     }
 
@@ -357,7 +364,7 @@ impl Store for RedisStore {
         Box::pin(async move {
             // Tombstones are read by claim.lua, in the same call.
             if self.horizon.is_zero()
-                && let Some(outcome) = self.claim_by_command(request).await?
+                && let Some(outcome) = self.claim_by_command(request, false).await?
             {
                 return Ok(outcome);
             }
@@ -406,7 +413,15 @@ impl Store for RedisStore {
             }
             // A status is three digits (100 to 999).
             let status = response.status().as_u16();
-            let args = (&encoded[..], retention, millis(self.horizon), status);
+            let (publish, channel) = self.wakes.publish(&key, &self.backend);
+            let args = (
+                &encoded[..],
+                retention,
+                publish,
+                channel,
+                millis(self.horizon),
+                status,
+            );
             let record = (lease, &*key, tombstone.as_deref());
             self.owner_checked(&COMPLETE, record, (args, encoded.len()))
                 .await
@@ -419,7 +434,8 @@ impl Store for RedisStore {
             if let Some(ownership) = self.delete_if_equal((lease, &key)).await? {
                 return Ok(ownership);
             }
-            self.owner_checked(&RELEASE, (lease, &key, None), (None::<u64>, 0))
+            let publish = self.wakes.publish(&key, &self.backend);
+            self.owner_checked(&RELEASE, (lease, &key, None), (publish, 0))
                 .await
         })
     }
@@ -438,19 +454,20 @@ impl Store for RedisStore {
     }
 
     fn offers(&self) -> Offers<'_> {
-        Offers::none().with_admin(self)
+        Offers::none().with_admin(self).with_wakes(self)
     }
 }
 
-/// In front of an authority, a claim is the pipeline of `SET … NX GET`, `PTTL` and `TIME`
-/// (no script) even with tombstones: the authority's are the ones that count.
+/// In front of an authority, a claim is the pipeline of `SET … NX GET` and `PTTL` (no script,
+/// no `TIME`: the authority grants the fence) even with tombstones: the authority's are the
+/// ones that count.
 impl Front for RedisStore {
     fn claim_in_front<'a>(
         &'a self,
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         Box::pin(async move {
-            match self.claim_by_command(request).await? {
+            match self.claim_by_command(request, true).await? {
                 Some(outcome) => Ok(outcome),
                 None => self.claim_by_script(request).await,
             }

@@ -3,8 +3,11 @@
 //! `string.sub` counts); a test below checks that they agree with these constants.
 //!
 //! ```text
-//! layout (1) | state (1: i, c) | fingerprint (32) | owner (16) | fence (16 digits) | response…
+//! layout (1) | state (1: i, w, c) | fingerprint (32) | owner (16) | fence (16 digits) | response…
 //! ```
+//!
+//! In flight is `i`, or `w` once a waiter marked the key (mark.lua): its owner's completion or
+//! release then tells the processes that wait for it.
 
 use bytes::Bytes;
 use uuid::Uuid;
@@ -24,6 +27,7 @@ const RESPONSE: usize = 66;
 
 /// A record's state byte.
 const IN_FLIGHT: u8 = b'i';
+const WAITED: u8 = b'w';
 const COMPLETED: u8 = b'c';
 
 /// A fresh record in flight up to its fence, which claim.lua appends from the server's clock.
@@ -128,7 +132,7 @@ impl<'a> Record<'a> {
             ));
         }
         let completed = match value[STATE] {
-            IN_FLIGHT => false,
+            IN_FLIGHT | WAITED => false,
             COMPLETED => true,
             other => return Err(format!("unknown state {:?}", char::from(other))),
         };
@@ -172,6 +176,7 @@ mod tests {
         let head = format!("string.sub(record, {}, {})", FINGERPRINT + 1, RESPONSE);
         let layout = format!("string.sub(record, 1, {STATE})");
         let in_flight = format!("'{}'", char::from(IN_FLIGHT));
+        let waited = format!("'{}'", char::from(WAITED));
         let completed = format!("'{}'", char::from(COMPLETED));
         let scripts = [
             ("complete", include_str!("../../../lua/complete.lua")),
@@ -179,12 +184,17 @@ mod tests {
             ("renew", include_str!("../../../lua/renew.lua")),
         ];
         for (name, script) in scripts {
-            let checks_owner = format!("{state} ~= {in_flight} or {owner} ~= ARGV[1]");
+            let reads_state = format!("local state = {state}");
+            let checks_owner =
+                format!("(state ~= {in_flight} and state ~= {waited}) or {owner} ~= ARGV[1]");
             assert!(
-                script.contains(&checks_owner),
+                script.contains(&reads_state) && script.contains(&checks_owner),
                 "{name}.lua checks no owner at {owner}"
             );
         }
+        let mark = include_str!("../../../lua/mark.lua");
+        let marks = format!("{layout} .. {waited} .. string.sub(record, {})", STATE + 2);
+        assert!(mark.contains(&marks), "mark.lua marks another byte");
         let complete = scripts[0].1;
         let rewrite = format!("{layout} .. {completed} .. {head} .. ARGV[2]");
         assert!(
@@ -204,7 +214,7 @@ mod tests {
         assert_eq!(in_flight_head(&fingerprint, Uuid::nil()).len(), FENCE);
         // complete.lua's tombstone: the record's fingerprint, the status, the clock.
         let tombstone = format!(
-            "string.sub(record, {}, {}) .. ARGV[5] .. clock",
+            "string.sub(record, {}, {}) .. ARGV[7] .. clock",
             FINGERPRINT + 1,
             OWNER
         );

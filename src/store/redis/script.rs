@@ -21,6 +21,8 @@ pub(super) static COMPLETE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/complete.lua")));
 pub(super) static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/release.lua")));
+pub(super) static MARK: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/mark.lua")));
 pub(super) static RENEW: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/renew.lua")));
 
@@ -75,13 +77,13 @@ impl RedisStore {
 const EVALSHA: usize = 128;
 
 /// The most arguments a script call of the store has: complete.lua's, with `EVALSHA`, the
-/// SHA-1, the number of keys, two keys, the owner token and four more.
-const EVALSHA_ARGS: usize = 10;
+/// SHA-1, the number of keys, two keys, the owner token and six more.
+const EVALSHA_ARGS: usize = 12;
 
 /// `EVALSHA` of `script` on `key` (and `tombstone`), with `args` (each part of a tuple one
 /// argument) of about `len` bytes beyond [`EVALSHA`]'s, built to size. A `ScriptInvocation`
 /// copies each key and argument into a `Vec` of its own, then all of them into its command.
-fn evalsha(
+pub(super) fn evalsha(
     script: &Script,
     (key, tombstone): (&str, Option<&str>),
     (args, len): (impl ToRedisArgs, usize),
@@ -100,7 +102,7 @@ fn evalsha(
 /// Sends `eval` (see [`evalsha`]) as `ScriptInvocation::invoke_async` runs a script: where the
 /// server does not have `script` (restarted, failed over, flushed), it is loaded and `eval`
 /// sent again.
-async fn evaluate<T: FromRedisValue>(
+pub(super) async fn evaluate<T: FromRedisValue>(
     connection: &mut Connection,
     script: &Script,
     eval: &Cmd,
