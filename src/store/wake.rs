@@ -9,6 +9,13 @@
 //! for costs nothing more, and the notification carries no answer: the woken waiter claims
 //! again, and the store answers it.
 
+// The registry serves the stores that listen (Redis, Postgres); without them, only `Wake` and
+// `Marked` are used, by the layer and by stores of one's own.
+#![cfg_attr(
+    not(any(feature = "redis", feature = "postgres")),
+    expect(dead_code, reason = "the registry is the Redis and Postgres stores'")
+)]
+
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex, PoisonError, Weak},
@@ -78,6 +85,10 @@ impl Drop for Listened {
 
 /// What the store's listening task is asked to do.
 #[derive(Debug)]
+#[cfg_attr(
+    not(feature = "redis"),
+    expect(dead_code, reason = "the ids are a Redis Cluster's channels")
+)]
 pub(crate) enum Subscription {
     /// Listen for `id`; say on `done` whether it does.
     Start(String, oneshot::Sender<bool>),
@@ -176,6 +187,10 @@ impl Listeners {
 
     /// Whether a waiter of this process listens for `id`: a subscription asked to stop is kept
     /// if one started listening again meanwhile.
+    #[cfg_attr(
+        not(feature = "redis"),
+        expect(dead_code, reason = "a Redis Cluster's")
+    )]
     pub(crate) fn is_listened(&self, id: &str) -> bool {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         keys.get(id)
@@ -188,6 +203,10 @@ impl Listeners {
     }
 
     /// The ids waiters listen for: what a listener that connected again subscribes to anew.
+    #[cfg_attr(
+        not(feature = "redis"),
+        expect(dead_code, reason = "a Redis Cluster's")
+    )]
     pub(crate) fn ids(&self) -> Vec<String> {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         let listened = keys
