@@ -141,6 +141,144 @@ pub fn fingerprint_input(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> 
 /// [`IdempotencyLayer::with_fingerprint_body`](crate::IdempotencyLayer::with_fingerprint_body).
 pub(crate) type BodyFingerprintFn = dyn Fn(&Parts, &Bytes) -> Bytes + Send + Sync;
 
+/// The parts of a JSON body that make "the same request", declared by JSON pointer (RFC 6901)
+/// rather than written as a hook: [`only`](Self::only) some fields, or everything
+/// [`except`](Self::except) some. Given to
+/// [`IdempotencyLayer::with_fingerprint_json`](crate::IdempotencyLayer::with_fingerprint_json).
+///
+/// The fingerprint then covers the body's JSON meaning: neither whitespace nor the order of an
+/// object's members counts. A field left out is removed wherever it is (an array element left
+/// out counts as `null`, so the others keep their places); a field kept that is absent counts
+/// as absent, not as `null`. A number counts as the integer or the `f64` it names (`1e2` is
+/// `100.0`, which differs from `100`). A body that is not JSON counts as sent.
+///
+/// ```
+/// use bytes::Bytes;
+/// use tower_idempotency::JsonFields;
+///
+/// // A sender that stamps each attempt: the same event, whatever the attempt's fields say.
+/// let fields = JsonFields::except(["/delivery_attempt", "/sent_at"]);
+/// let first = fields.canonical(&Bytes::from(r#"{"id": "evt_1", "sent_at": 1, "delivery_attempt": 1}"#));
+/// let retry = fields.canonical(&Bytes::from(r#"{"delivery_attempt": 2, "sent_at": 9, "id": "evt_1"}"#));
+/// assert_eq!(first, retry);
+///
+/// // Only what the handler acts on.
+/// let fields = JsonFields::only(["/type", "/data/object/id"]);
+/// let a = fields.canonical(&Bytes::from(r#"{"type": "refund", "data": {"object": {"id": "re_1", "note": "a"}}}"#));
+/// let b = fields.canonical(&Bytes::from(r#"{"type": "refund", "data": {"object": {"id": "re_1", "note": "b"}}}"#));
+/// assert_eq!(a, b);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JsonFields {
+    /// `true`: only these pointers count; `false`: everything but them.
+    only: bool,
+    pointers: Vec<String>,
+}
+
+impl JsonFields {
+    /// Only the values at `pointers` count (each `/`-separated, as `/data/object/id`).
+    ///
+    /// # Panics
+    ///
+    /// If a pointer does not start with `/`.
+    pub fn only<P: Into<String>>(pointers: impl IntoIterator<Item = P>) -> Self {
+        Self::new(true, pointers)
+    }
+
+    /// Everything but the values at `pointers` counts.
+    ///
+    /// # Panics
+    ///
+    /// If a pointer does not start with `/`.
+    pub fn except<P: Into<String>>(pointers: impl IntoIterator<Item = P>) -> Self {
+        Self::new(false, pointers)
+    }
+
+    fn new<P: Into<String>>(only: bool, pointers: impl IntoIterator<Item = P>) -> Self {
+        let pointers: Vec<String> = pointers.into_iter().map(Into::into).collect();
+        for pointer in &pointers {
+            assert!(
+                pointer.starts_with('/'),
+                "{pointer:?} is not a JSON pointer to a field: it must start with '/'"
+            );
+        }
+        Self { only, pointers }
+    }
+
+    /// The bytes that stand for `body` in the fingerprint: the declared fields in a canonical
+    /// form (object members sorted, no whitespace), or `body` itself if it is not JSON.
+    pub fn canonical(&self, body: &Bytes) -> Bytes {
+        let Ok(mut json) = serde_json::from_slice::<serde_json::Value>(body) else {
+            return body.clone();
+        };
+        let json = if self.only {
+            let kept = (self.pointers.iter())
+                .filter_map(|pointer| Some((pointer.clone(), json.pointer(pointer)?.clone())));
+            serde_json::Value::Object(kept.collect())
+        } else {
+            for pointer in &self.pointers {
+                left_out(&mut json, pointer);
+            }
+            json
+        };
+        let mut out = Vec::with_capacity(body.len());
+        canonical(&json, &mut out);
+        Bytes::from(out)
+    }
+}
+
+/// Leaves the value at `pointer` out of `json`: an object's member is removed, an array's
+/// element becomes `null`.
+fn left_out(json: &mut serde_json::Value, pointer: &str) {
+    let (parent, last) = pointer.rsplit_once('/').expect("pointers start with '/'");
+    let last = last.replace("~1", "/").replace("~0", "~");
+    match json.pointer_mut(parent) {
+        Some(serde_json::Value::Object(members)) => {
+            members.remove(&last);
+        }
+        Some(serde_json::Value::Array(elements)) => {
+            if let Some(element) = last.parse().ok().and_then(|i: usize| elements.get_mut(i)) {
+                *element = serde_json::Value::Null;
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Writes `json` with its objects' members sorted by name and no whitespace, whatever order the
+/// JSON library keeps them in.
+fn canonical(json: &serde_json::Value, out: &mut Vec<u8>) {
+    use serde_json::Value;
+    match json {
+        Value::Array(elements) => {
+            out.push(b'[');
+            for (i, element) in elements.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                canonical(element, out);
+            }
+            out.push(b']');
+        }
+        Value::Object(members) => {
+            let mut sorted: Vec<_> = members.iter().collect();
+            sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            out.push(b'{');
+            for (i, (name, value)) in sorted.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                let name = serde_json::to_string(name).expect("a string serializes");
+                out.extend_from_slice(name.as_bytes());
+                out.push(b':');
+                canonical(value, out);
+            }
+            out.push(b'}');
+        }
+        scalar => out.extend_from_slice(scalar.to_string().as_bytes()),
+    }
+}
+
 /// The path and query the client sent, before any router stripped a prefix from it.
 pub(crate) fn original_path_and_query(parts: &Parts) -> &str {
     #[cfg(feature = "axum")]

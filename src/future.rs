@@ -63,7 +63,8 @@ pub(crate) struct Guarded<B, E> {
     span: Span,
     /// Who answers if the work ends without an answer, and about which key.
     engine: Arc<Engine>,
-    record: Arc<RecordKey>,
+    /// `None` while the key is in the body, not read yet.
+    record: Option<Arc<RecordKey>>,
     wire: Wire,
 }
 
@@ -90,7 +91,7 @@ impl<B, E> Guarded<B, E> {
              the completion policy or the store); a key it claimed frees itself when its lease \
              ends"
         );
-        let key = Some(self.record.key());
+        let key = self.record.as_deref().map(RecordKey::key);
         self.engine
             .respond(Rejection::HandlerFailed, key, self.wire)
     }
@@ -129,7 +130,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
         reply: oneshot::Receiver<Reply<B, E>>,
         span: Span,
         engine: Arc<Engine>,
-        record: Arc<RecordKey>,
+        record: Option<Arc<RecordKey>>,
         wire: Wire,
     ) -> Self {
         let guarded = Guarded {

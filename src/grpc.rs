@@ -18,6 +18,7 @@ pub(crate) enum Code {
     Aborted = 10,
     Internal = 13,
     Unavailable = 14,
+    Unauthenticated = 16,
 }
 
 /// What an exchange speaks, told once from the request's headers where it enters the layer (or

@@ -1,4 +1,4 @@
-//! The `Idempotency-Key` header: parsing and validation.
+//! The idempotency key: parsed from its header (or read from a JSON body) and validated.
 
 use std::fmt;
 
@@ -46,6 +46,12 @@ impl IdempotencyKey {
             }
         };
         parameters(rest)?;
+        Self::checked(key)
+    }
+
+    /// The key `key` is, as it is (not parsed as a header value): 1 to [`MAX_LEN`](Self::MAX_LEN)
+    /// visible ASCII characters.
+    fn checked(key: Vec<u8>) -> Result<Self, KeyError> {
         if key.is_empty() {
             return Err(KeyError::Empty);
         }
@@ -59,6 +65,36 @@ impl IdempotencyKey {
         Ok(Self(
             String::from_utf8(key).expect("visible ASCII is UTF-8"),
         ))
+    }
+
+    /// Reads the key from a JSON body, at `pointer` (RFC 6901): `Ok(None)` when the body is not
+    /// JSON or has nothing there, an error when the value there is not a string or an integer,
+    /// or not a valid key. The value is the key as it is (`"evt_1"` is `evt_1`), not parsed as a
+    /// header value.
+    ///
+    /// ```
+    /// use tower_idempotency::IdempotencyKey;
+    ///
+    /// let body = br#"{"id": "evt_1NG8Du2eZvKYlo2C", "type": "charge.succeeded"}"#;
+    /// let key = IdempotencyKey::from_json(body, "/id").unwrap().unwrap();
+    /// assert_eq!(key.as_str(), "evt_1NG8Du2eZvKYlo2C");
+    /// assert_eq!(IdempotencyKey::from_json(body, "/event_id"), Ok(None));
+    /// assert!(IdempotencyKey::from_json(br#"{"id": {}}"#, "/id").is_err());
+    /// ```
+    pub fn from_json(body: &[u8], pointer: &str) -> Result<Option<Self>, KeyError> {
+        let Ok(json) = serde_json::from_slice::<serde_json::Value>(body) else {
+            return Ok(None);
+        };
+        match json.pointer(pointer) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(serde_json::Value::String(key)) => {
+                Self::checked(key.as_bytes().to_vec()).map(Some)
+            }
+            Some(serde_json::Value::Number(n)) if n.is_i64() || n.is_u64() => {
+                Self::checked(n.to_string().into_bytes()).map(Some)
+            }
+            Some(_) => Err(KeyError::NotAString),
+        }
     }
 
     /// Reads the key from the request header `name`: `Ok(None)` when there is none, an error when
@@ -106,7 +142,7 @@ impl TryFrom<&str> for IdempotencyKey {
     }
 }
 
-/// Why an `Idempotency-Key` header was refused (the layer answers 400).
+/// Why an idempotency key was refused (the layer answers 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum KeyError {
@@ -139,6 +175,11 @@ pub enum KeyError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// The value where a JSON body holds the key
+    /// ([`with_key_from_body`](crate::IdempotencyLayer::with_key_from_body)) is neither a string
+    /// nor an integer.
+    #[error("the idempotency key in the request body is neither a string nor an integer")]
+    NotAString,
 }
 
 /// Parses the rest of an RFC 9651 sf-string after its opening quote (section 4.2.5); returns

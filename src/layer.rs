@@ -7,10 +7,10 @@ use http::{HeaderName, Method, request::Parts};
 use tower_layer::Layer;
 
 use crate::{
-    Idempotency,
+    Idempotency, JsonFields,
     completer::{Completer, KeptRequests},
     policy::CompletionPolicy,
-    problem::Problem,
+    problem::{Problem, Unverified},
     protocol::{Engine, State},
     settings::{self, Settings},
     store::{RecordKey, Store},
@@ -108,10 +108,93 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Reads the key from the JSON request body, at `pointer` (RFC 6901: `/id`,
+    /// `/data/object/id`), instead of from a header: for senders that name a delivery only in
+    /// its body, such as Stripe's events (`/id`, `evt_…`). The value there is the key as it is:
+    /// a string (or an integer) of 1 to 255 visible ASCII characters.
+    ///
+    /// The key is read from the body the layer buffers anyway (within
+    /// [`with_max_request_body`](Self::with_max_request_body)), after the
+    /// [verifier](Self::with_verifier) and before the claim. It is required: a body without it
+    /// (or not JSON) is answered 400 ([`MISSING_KEY`](crate::problem::MISSING_KEY)), one whose
+    /// value there is not a valid key 400 ([`INVALID_KEY`](crate::problem::INVALID_KEY)), and
+    /// the handler does not run. The key header is not read.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope};
+    ///
+    /// // Stripe's events: the event's id is the key, Stripe the scope.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_key_from_body("/id")
+    ///     .with_scope(scope::fixed("stripe"));
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `pointer` does not start with `/`.
+    pub fn with_key_from_body(mut self, pointer: &str) -> Self {
+        assert!(
+            pointer.starts_with('/'),
+            "{pointer:?} is not a JSON pointer to a field: it must start with '/'"
+        );
+        self.settings.key_in_body = Some(Arc::from(pointer));
+        self
+    }
+
     /// Whether a guarded request without a key is refused with 400 (`true`) or passed through
-    /// without protection (`false`, the default).
+    /// without protection (`false`, the default). A key read from the body
+    /// ([`with_key_from_body`](Self::with_key_from_body)) is always required.
     pub fn with_key_required(mut self, required: bool) -> Self {
         self.settings.key_required = required;
+        self
+    }
+
+    /// Checks each guarded request before its key is claimed: `verify` gets the request head
+    /// and the whole buffered body (the bytes as sent, which a signature covers), and refuses a
+    /// request with an [`Unverified`]: answered 401 (or the client-error status it names) as a
+    /// [`UNVERIFIED`](crate::problem::UNVERIFIED) problem, its key never claimed, the handler
+    /// never run.
+    ///
+    /// This is where a webhook receiver checks the sender's signature and timestamp: a forged
+    /// delivery, or one replayed past the sender's tolerance, that names a real event is
+    /// refused without touching the event's key, so the genuine delivery still runs; a
+    /// genuine redelivery (a fresh timestamp and signature over the same event) is verified,
+    /// then answered from the store. Nothing that changes with every attempt (the signature,
+    /// the timestamp) takes part in the fingerprint or the scope by default: keep it so.
+    ///
+    /// It runs after the body is read (within its limits) and before the key is read from it
+    /// ([`with_key_from_body`](Self::with_key_from_body)). A request the
+    /// [completer](crate::completer) resumes is not checked again: it was when it came. Only
+    /// guarded requests are checked: a request without a key passes through unchecked unless
+    /// the key is required, so a receiver requires it
+    /// ([`with_key_required`](Self::with_key_required), or a key in the body).
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, problem::Unverified, scope};
+    ///
+    /// fn signed(secret: &[u8], body: &[u8], signature: Option<&[u8]>) -> bool {
+    ///     // Compute the sender's signature over `body` and compare in constant time.
+    /// #   let _ = (secret, body);
+    ///     signature.is_some()
+    /// }
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_key_header(http::HeaderName::from_static("webhook-id"))
+    ///     .with_key_required(true)
+    ///     .with_scope(scope::fixed("billing-webhooks"))
+    ///     .with_verifier(|parts, body| {
+    ///         let signature = parts.headers.get("webhook-signature").map(|v| v.as_bytes());
+    ///         match signed(b"secret", body, signature) {
+    ///             true => Ok(()),
+    ///             false => Err(Unverified::new("no signature matches")),
+    ///         }
+    ///     });
+    /// ```
+    pub fn with_verifier(
+        mut self,
+        verify: impl Fn(&Parts, &Bytes) -> Result<(), Unverified> + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.verifier = Some(Arc::new(verify));
         self
     }
 
@@ -126,8 +209,8 @@ impl IdempotencyLayer {
     /// when the scope is read.
     ///
     /// The default, [`scope::by_credentials`](crate::scope::by_credentials), keeps callers with different `Authorization`
-    /// headers apart. Return a constant (`|_| Some(String::new())`) for one scope shared by
-    /// every caller.
+    /// headers apart. [`scope::fixed`](crate::scope::fixed) gives one scope to every caller of
+    /// the route (a webhook sender's, say).
     pub fn with_scope(
         mut self,
         scope: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
@@ -179,6 +262,22 @@ impl IdempotencyLayer {
     ) -> Self {
         self.settings.fingerprint_body = Some(Arc::new(body));
         self
+    }
+
+    /// What of a JSON body takes part in the fingerprint, declared: only some fields, or all
+    /// but some ([`JsonFields`]), in their JSON meaning (neither whitespace nor member order
+    /// counts). A [`with_fingerprint_body`](Self::with_fingerprint_body) of its own, for what a
+    /// declaration cannot say.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, JsonFields, MemoryStore};
+    ///
+    /// // A sender that stamps every attempt with its number: the same event all the same.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_fingerprint_json(JsonFields::except(["/delivery_attempt"]));
+    /// ```
+    pub fn with_fingerprint_json(self, fields: JsonFields) -> Self {
+        self.with_fingerprint_body(move |_, body| fields.canonical(body))
     }
 }
 

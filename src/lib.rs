@@ -119,6 +119,7 @@ mod stripes;
 
 pub use self::{
     claim::IdempotencyClaim,
+    fingerprint::JsonFields,
     future::ResponseFuture,
     key::{IdempotencyKey, KeyError},
     layer::IdempotencyLayer,

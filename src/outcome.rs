@@ -50,6 +50,9 @@ pub enum IdempotencyOutcome {
     BodyTimeout,
     /// The body failed while being read: 400.
     BodyUnreadable,
+    /// The layer's verifier refused the request (a webhook's signature): 401, its key not
+    /// claimed.
+    Unverified,
     /// The handler panicked or failed: 500, the key released.
     HandlerFailed,
 }
@@ -77,6 +80,7 @@ impl IdempotencyOutcome {
         Self::BodyTooLarge,
         Self::BodyTimeout,
         Self::BodyUnreadable,
+        Self::Unverified,
         Self::HandlerFailed,
     ];
 
@@ -97,6 +101,7 @@ impl IdempotencyOutcome {
             Self::BodyTooLarge => "body_too_large",
             Self::BodyTimeout => "body_timeout",
             Self::BodyUnreadable => "body_unreadable",
+            Self::Unverified => "unverified",
             Self::HandlerFailed => "handler_failed",
         }
     }

@@ -8,7 +8,7 @@
 //! | `type` | HTTP | gRPC | when |
 //! |---|---|---|---|
 //! | [`INVALID_KEY`] | 400 | INVALID_ARGUMENT | the key is empty, too long, not visible ASCII, malformed, repeated or a list |
-//! | [`MISSING_KEY`] | 400 | INVALID_ARGUMENT | the layer requires a key and none was sent |
+//! | [`MISSING_KEY`] | 400 | INVALID_ARGUMENT | the layer requires a key and none was sent (or the JSON body has none where the layer reads it) |
 //! | [`NO_SCOPE`] | 500 | INTERNAL | the scope function found no scope for the request (see [`IdempotencyLayer::with_scope`]) |
 //! | [`BODY_TOO_LARGE`] | 413 | RESOURCE_EXHAUSTED | the request body is over a size limit (this layer's or one outside it) |
 //! | [`BODY_TIMEOUT`] | 408 | DEADLINE_EXCEEDED | the request body did not arrive within the layer's time limit |
@@ -21,6 +21,7 @@
 //! | [`ANSWER_EXPIRED`] | 410 | FAILED_PRECONDITION | the request completed, and its answer is past its retention; a tombstone keeps it from running again (stores `with_tombstones`) |
 //! | [`STORE_UNAVAILABLE`] | 503 + `Retry-After` | UNAVAILABLE | the store could not be reached; the handler did not run |
 //! | [`HANDLER_FAILED`] | 500 | INTERNAL | the handler panicked or failed |
+//! | [`UNVERIFIED`] | 401 (or the status the verifier names) | UNAUTHENTICATED | the [verifier](crate::IdempotencyLayer::with_verifier) refused the request (a webhook's signature or timestamp); its key was not claimed |
 //!
 //! [`IdempotencyLayer::with_problem_response`]: crate::IdempotencyLayer::with_problem_response
 //! [`IdempotencyLayer::with_scope`]: crate::IdempotencyLayer::with_scope
@@ -66,6 +67,9 @@ pub const ANSWER_EXPIRED: &str = "urn:tower-idempotency:problem:answer-expired";
 pub const STORE_UNAVAILABLE: &str = "urn:tower-idempotency:problem:store-unavailable";
 /// `type` of a 500: the handler panicked or failed.
 pub const HANDLER_FAILED: &str = "urn:tower-idempotency:problem:handler-failed";
+/// `type` of a 401 (or the verifier's own 4xx): the request failed the layer's verifier, and its
+/// key was not claimed.
+pub const UNVERIFIED: &str = "urn:tower-idempotency:problem:unverified";
 
 /// How long a client is told to wait after a 503 from an unreachable store.
 const STORE_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -75,6 +79,11 @@ const STORE_RETRY_AFTER: Duration = Duration::from_secs(1);
 pub(crate) enum Rejection {
     InvalidKey(KeyError),
     MissingKey,
+    /// The JSON body has no key at the layer's pointer.
+    NoKeyInBody {
+        pointer: std::sync::Arc<str>,
+    },
+    Unverified(Unverified),
     NoScope,
     /// `limit` is this layer's limit when it is the one that tripped.
     BodyTooLarge {
@@ -111,7 +120,8 @@ impl Rejection {
         #[rustfmt::skip]
         let (status, type_uri, title, code) = match self {
             InvalidKey(_) => (400, INVALID_KEY, "Invalid idempotency key", InvalidArgument),
-            MissingKey => (400, MISSING_KEY, "Idempotency key required", InvalidArgument),
+            MissingKey | NoKeyInBody { .. } => (400, MISSING_KEY, "Idempotency key required", InvalidArgument),
+            Unverified(unverified) => (unverified.status.as_u16(), UNVERIFIED, "Request not verified", Unauthenticated),
             NoScope => (500, NO_SCOPE, "No idempotency scope", Internal),
             BodyTooLarge { .. } => (413, BODY_TOO_LARGE, "Request body too large", ResourceExhausted),
             BodyTimeout { .. } => (408, BODY_TIMEOUT, "Request body timed out", DeadlineExceeded),
@@ -134,6 +144,8 @@ impl Rejection {
         match self {
             InvalidKey(error) => error.to_string(),
             MissingKey => "this endpoint requires an idempotency key header".into(),
+            NoKeyInBody { pointer } => format!("this endpoint requires an idempotency key in the JSON request body, at {pointer}"),
+            Unverified(unverified) => unverified.reason.clone(),
             NoScope => "the request could not be attributed to a caller, so its idempotency key has no scope; the layer that authenticates requests must run before (outside) the idempotency layer".into(),
             BodyTooLarge { limit: Some(limit) } => {
                 format!("the request body is over the {limit}-byte limit")
@@ -170,7 +182,10 @@ impl Rejection {
     pub(crate) fn outcome(&self) -> crate::IdempotencyOutcome {
         use crate::IdempotencyOutcome as O;
         match self {
-            Rejection::InvalidKey(_) | Rejection::MissingKey => O::InvalidKey,
+            Rejection::InvalidKey(_) | Rejection::MissingKey | Rejection::NoKeyInBody { .. } => {
+                O::InvalidKey
+            }
+            Rejection::Unverified(_) => O::Unverified,
             Rejection::NoScope => O::NoScope,
             Rejection::BodyTooLarge { .. } => O::BodyTooLarge,
             Rejection::BodyTimeout { .. } => O::BodyTimeout,
@@ -201,6 +216,64 @@ impl Rejection {
         }
     }
 }
+
+/// Why a [verifier](crate::IdempotencyLayer::with_verifier) refused a request: answered
+/// [`UNVERIFIED`], 401 unless it names another client-error status, with its reason as the
+/// problem's `detail`. Say what failed ("no signature matches", "the timestamp is 7 minutes
+/// old"), never the secret or the signature expected.
+///
+/// ```
+/// use http::StatusCode;
+/// use tower_idempotency::problem::Unverified;
+///
+/// let forged = Unverified::new("no signature matches");
+/// assert_eq!(forged.status(), StatusCode::UNAUTHORIZED);
+/// let malformed = Unverified::new("no Stripe-Signature header").with_status(StatusCode::BAD_REQUEST);
+/// assert_eq!(malformed.status(), StatusCode::BAD_REQUEST);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unverified {
+    status: StatusCode,
+    reason: String,
+}
+
+impl Unverified {
+    /// A refusal, answered 401 with `reason`.
+    pub fn new(reason: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            reason: reason.into(),
+        }
+    }
+
+    /// Answered with `status` instead (400 for a malformed delivery, say), if it is a client
+    /// error (4xx); any other status leaves it at 401.
+    #[must_use]
+    pub fn with_status(mut self, status: StatusCode) -> Self {
+        if status.is_client_error() {
+            self.status = status;
+        }
+        self
+    }
+
+    /// The status it is answered with.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// Why the request was refused.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl fmt::Display for Unverified {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "request not verified ({}): {}", self.status, self.reason)
+    }
+}
+
+impl std::error::Error for Unverified {}
 
 /// An answer the layer gives instead of the handler's: what went wrong, as RFC 9457 describes a
 /// problem. [`to_response`](Self::to_response) renders it as `application/problem+json`; a

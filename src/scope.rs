@@ -50,6 +50,24 @@ pub fn by_credentials(parts: &Parts) -> Option<String> {
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
+/// One scope for every request: the scope of a route whose callers are one sender, such as a
+/// webhook receiver (`fixed("stripe")`). A sender does not authenticate with a credential of
+/// its own: it signs each delivery (a signature that changes with every attempt), so the
+/// default [`by_credentials`] would put every sender without an `Authorization` header in
+/// [`ANONYMOUS_SCOPE`] together. Give each sender's route a scope of its own (or the identity
+/// of the secret its deliveries are signed with), and check the signature first
+/// ([`IdempotencyLayer::with_verifier`](crate::IdempotencyLayer::with_verifier)).
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope};
+///
+/// let stripe = IdempotencyLayer::new(MemoryStore::new()).with_scope(scope::fixed("stripe"));
+/// ```
+pub fn fixed(scope: &str) -> impl Fn(&Parts) -> Option<String> + Clone + Send + Sync + 'static {
+    let scope = scope.to_owned();
+    move |_: &Parts| Some(scope.clone())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,7 +18,7 @@ use crate::{
     grpc::Wire,
     kept::Resumption,
     problem::Rejection,
-    protocol::{self, Engine},
+    protocol::{self, Engine, Keyed},
     store::{BoxError, RecordKey},
 };
 
@@ -93,20 +93,27 @@ where
             let shown = settings.shown_record(&record);
             span.record("key", tracing::field::display(shown.key));
             span.record("scope", tracing::field::display(shown.scope));
-            return self.guard(record, request, wire, span);
+            return self.guard(Keyed::Known(record), request, wire, span);
         }
-        let key = match IdempotencyKey::from_headers(request.headers(), &settings.key_header) {
-            Ok(Some(key)) => key,
-            Ok(None) if !settings.key_required => return self.pass_through(request),
-            Ok(None) => return self.reject(Rejection::MissingKey, None, wire, request_span()),
-            Err(error) => {
-                return self.reject(Rejection::InvalidKey(error), None, wire, request_span());
-            }
+        // A key in the body is read once the body is buffered (`protocol::admit`).
+        let key = match settings.key_in_body {
+            Some(_) => None,
+            None => match IdempotencyKey::from_headers(request.headers(), &settings.key_header) {
+                Ok(Some(key)) => Some(key),
+                Ok(None) if !settings.key_required => return self.pass_through(request),
+                Ok(None) => return self.reject(Rejection::MissingKey, None, wire, request_span()),
+                Err(error) => {
+                    let rejection = Rejection::InvalidKey(error);
+                    return self.reject(rejection, None, wire, request_span());
+                }
+            },
         };
         // A span per guarded request, the caller's span its parent: the layer's events and the
         // handler's run inside it. Key and scope appear as pseudonyms unless configured not to.
         let span = request_span();
-        span.record("key", tracing::field::display(settings.shown(key.as_str())));
+        if let Some(key) = &key {
+            span.record("key", tracing::field::display(settings.shown(key.as_str())));
+        }
         let (parts, body) = request.into_parts();
         let Some(scope) = (settings.scope)(&parts) else {
             span.in_scope(|| {
@@ -115,19 +122,22 @@ where
                      requests installed outside the idempotency layer?"
                 )
             });
-            return self.reject(Rejection::NoScope, Some(&key), wire, span);
+            return self.reject(Rejection::NoScope, key.as_ref(), wire, span);
         };
         span.record("scope", tracing::field::display(settings.shown(&scope)));
-        let record = Arc::new(RecordKey::new(scope, key));
-        self.guard(record, Request::from_parts(parts, body), wire, span)
+        let keyed = match key {
+            Some(key) => Keyed::Known(Arc::new(RecordKey::new(scope, key))),
+            None => Keyed::InBody { scope },
+        };
+        self.guard(keyed, Request::from_parts(parts, body), wire, span)
     }
 }
 
 impl<S> Idempotency<S> {
-    /// Runs a guarded request for `record`.
+    /// Runs a guarded request for the key `keyed` says.
     fn guard<ReqBody, ResBody>(
         &mut self,
-        record: Arc<RecordKey>,
+        keyed: Keyed,
         request: Request<ReqBody>,
         wire: Wire,
         span: tracing::Span,
@@ -152,11 +162,12 @@ impl<S> Idempotency<S> {
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let (reply, receiver) = oneshot::channel();
+        let record = keyed.known();
         // Boxed at once: the work's state is kilobytes, and moves through no wrapper.
         let work = Box::pin(protocol::run(
             Arc::clone(&self.engine),
             inner,
-            Arc::clone(&record),
+            keyed,
             request,
             reply,
             wire,

@@ -11,6 +11,7 @@ use crate::{
     fingerprint::BodyFingerprintFn,
     kept::KeptRequests,
     policy::CompletionPolicy,
+    problem::Unverified,
     response::StoreRules,
     scope,
     store::{BoxFuture, RecordKey, Store},
@@ -35,6 +36,9 @@ pub(crate) const DEFAULT_FINALIZE_DEADLINE: Duration = Duration::from_secs(10 * 
 /// The scope function of [`IdempotencyLayer::with_scope`](crate::IdempotencyLayer::with_scope).
 pub(crate) type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 
+/// The check of [`IdempotencyLayer::with_verifier`](crate::IdempotencyLayer::with_verifier).
+pub(crate) type VerifyFn = dyn Fn(&Parts, &Bytes) -> Result<(), Unverified> + Send + Sync;
+
 /// The hook of [`IdempotencyLayer::with_recovery`](crate::IdempotencyLayer::with_recovery).
 pub(crate) type RecoveryFn =
     dyn Fn(RecordKey) -> BoxFuture<'static, Option<http::Response<Bytes>>> + Send + Sync;
@@ -50,8 +54,11 @@ pub(crate) struct Settings {
     // Requests.
     pub(crate) methods: Vec<Method>,
     pub(crate) key_header: HeaderName,
+    /// Where in a JSON body the key is, when it is not in `key_header`: a JSON pointer.
+    pub(crate) key_in_body: Option<Arc<str>>,
     pub(crate) key_required: bool,
     pub(crate) scope: Arc<ScopeFn>,
+    pub(crate) verifier: Option<Arc<VerifyFn>>,
     // Fingerprint.
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) fingerprint_body: Option<Arc<BodyFingerprintFn>>,
@@ -112,8 +119,10 @@ impl Settings {
             store,
             methods: vec![Method::POST, Method::PATCH],
             key_header: crate::headers::IDEMPOTENCY_KEY.clone(),
+            key_in_body: None,
             key_required: false,
             scope: Arc::new(scope::by_credentials),
+            verifier: None,
             fingerprint_headers: Vec::new(),
             fingerprint_body: None,
             max_request_body: DEFAULT_MAX_REQUEST_BODY,
@@ -166,7 +175,9 @@ impl fmt::Debug for Settings {
             .field("store", &self.store.kind())
             .field("methods", &self.methods)
             .field("key_header", &self.key_header)
+            .field("key_in_body", &self.key_in_body)
             .field("key_required", &self.key_required)
+            .field("verifier", &self.verifier.is_some())
             .field("fingerprint_headers", &self.fingerprint_headers)
             .field("max_request_body", &self.max_request_body)
             .field("request_body_timeout", &self.request_body_timeout)

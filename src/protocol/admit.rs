@@ -10,27 +10,29 @@ use http_body::Body;
 use tokio::time::Instant;
 
 use super::{
-    Caller, Engine, Exchange, Hold,
+    Caller, Engine, Exchange, Hold, Keyed,
     lease::{Keeper, Standing},
     read,
     wait::{self, Waiting},
 };
 use crate::{
+    IdempotencyKey,
     answers::vary_mismatch,
     body::ResponseBody,
     headers,
     kept::Resumption,
     problem::Rejection,
-    settings::RecoveryFn,
+    settings::{RecoveryFn, Settings},
     store::{BoxError, ClaimOutcome, ClaimRequest, RecordKey, StoreError},
     telemetry::Operation,
 };
 
-/// Reads the body and claims the key: the claim held, the body to run the handler with and the
-/// caller to answer, or `None` once the caller has been answered instead (or has gone).
+/// Reads the body, verifies the request and claims the key: the claim held, the body to run
+/// the handler with and the caller to answer, or `None` once the caller has been answered
+/// instead (or has gone).
 pub(super) async fn admit<'a, B, ResBody, E>(
     exchange: Exchange<'a, '_>,
-    record: Arc<RecordKey>,
+    keyed: Keyed,
     parts: &Parts,
     body: B,
     mut reply: Caller<ResBody, E>,
@@ -40,20 +42,28 @@ where
     B::Error: Into<BoxError>,
 {
     let engine = exchange.engine;
-    let (body, fingerprint) = match read::read_body(&engine.settings, parts, body).await {
-        Ok(read) => read,
+    let read = read::read_body(&engine.settings, parts, body).await;
+    let resumption = parts.extensions.get::<Resumption>();
+    let admitted = read.and_then(|(body, fingerprint)| {
+        let record = keyed_record(&engine.settings, &keyed, parts, &body, resumption.is_some())?;
+        Ok((body, fingerprint, record))
+    });
+    let (body, fingerprint, record) = match admitted {
+        Ok(admitted) => admitted,
         Err(rejection) => {
-            let answer = engine.respond(rejection, Some(record.key()), exchange.wire);
+            let known = keyed.known();
+            let answer = engine.respond(
+                rejection,
+                known.as_deref().map(RecordKey::key),
+                exchange.wire,
+            );
             let _ = reply.send(Ok(answer));
             return None;
         }
     };
     // The completer's request carries the fingerprint the key was claimed with: the headers
     // that took part in it may not have been kept.
-    let fingerprint = parts
-        .extensions
-        .get::<Resumption>()
-        .map_or(fingerprint, |resumption| resumption.fingerprint);
+    let fingerprint = resumption.map_or(fingerprint, |resumption| resumption.fingerprint);
     let claim = ClaimRequest::shared(
         record,
         fingerprint,
@@ -74,6 +84,41 @@ where
             None
         }
     }
+}
+
+/// The record a buffered request claims, once the [verifier](crate::IdempotencyLayer::with_verifier)
+/// has passed it (a request the completer resumes was verified when it came): the one its head
+/// named, or its key read from its JSON body.
+fn keyed_record(
+    settings: &Settings,
+    keyed: &Keyed,
+    parts: &Parts,
+    body: &Bytes,
+    resumed: bool,
+) -> Result<Arc<RecordKey>, Rejection> {
+    if let Some(verify) = settings.verifier.as_ref().filter(|_| !resumed) {
+        verify(parts, body).map_err(Rejection::Unverified)?;
+    }
+    let scope = match keyed {
+        Keyed::Known(record) => return Ok(Arc::clone(record)),
+        Keyed::InBody { scope } => scope,
+    };
+    let pointer = settings
+        .key_in_body
+        .as_ref()
+        .expect("a key in the body has its pointer");
+    let key = match IdempotencyKey::from_json(body, pointer) {
+        Ok(Some(key)) => key,
+        Ok(None) => {
+            return Err(Rejection::NoKeyInBody {
+                pointer: Arc::clone(pointer),
+            });
+        }
+        Err(error) => return Err(Rejection::InvalidKey(error)),
+    };
+    let shown = settings.shown(key.as_str());
+    tracing::Span::current().record("key", tracing::field::display(shown));
+    Ok(Arc::new(RecordKey::new(scope.clone(), key)))
 }
 
 /// Claims the key until this process holds a grant: the hold (its claim made anew for a new

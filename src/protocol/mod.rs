@@ -42,6 +42,24 @@ use crate::{
     store::{BoxError, ClaimRequest, Lease, RecordKey},
 };
 
+/// Whose key a guarded request claims: known from its head (the key header, or the completer's
+/// resumption), or read from its JSON body once buffered, in the scope its head gave
+/// ([`with_key_from_body`](crate::IdempotencyLayer::with_key_from_body)).
+pub(crate) enum Keyed {
+    Known(Arc<RecordKey>),
+    InBody { scope: String },
+}
+
+impl Keyed {
+    /// The record, if the key is known before the body is read.
+    pub(crate) fn known(&self) -> Option<Arc<RecordKey>> {
+        match self {
+            Self::Known(record) => Some(Arc::clone(record)),
+            Self::InBody { .. } => None,
+        }
+    }
+}
+
 /// What the work on a guarded request sends back to its caller.
 pub(crate) type Reply<B, E> = Result<Response<ResponseBody<B>>, E>;
 
@@ -81,12 +99,12 @@ struct Outcome {
     completion: Completion,
 }
 
-/// Runs one guarded request: buffer and fingerprint, claim (waiting for a duplicate in flight),
-/// run the handler while the lease is renewed, finalize the key, then answer.
+/// Runs one guarded request: buffer and fingerprint, verify, claim (waiting for a duplicate in
+/// flight), run the handler while the lease is renewed, finalize the key, then answer.
 pub(crate) async fn run<S, ReqBody, ResBody>(
     engine: Arc<Engine>,
     inner: S,
-    record: Arc<RecordKey>,
+    keyed: Keyed,
     request: Request<ReqBody>,
     reply: Caller<ResBody, S::Error>,
     wire: Wire,
@@ -105,8 +123,7 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
         wait,
         wire,
     };
-    let Some((hold, body, reply)) = admit::admit(exchange, record, &parts, body, reply).await
-    else {
+    let Some((hold, body, reply)) = admit::admit(exchange, keyed, &parts, body, reply).await else {
         return;
     };
     let lease = &hold.lease;

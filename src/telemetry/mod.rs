@@ -163,7 +163,8 @@ counters! {
     in_flight,
     /// 422 answers to a key reused with a different request.
     mismatches,
-    /// 400 answers to a missing or invalid key, or an unreadable body.
+    /// 400 answers to a missing or invalid key, or an unreadable body; a request the verifier
+    /// refused (401).
     bad_requests,
     /// 413 answers to a body over the limit.
     too_large,
@@ -250,7 +251,7 @@ impl Telemetry {
             O::InFlight | O::OutcomeUnknown => &c.in_flight,
             O::Mismatch | O::NotAcceptable => &c.mismatches,
             O::StoreUnavailable => &c.store_unavailable,
-            O::InvalidKey | O::BodyTimeout | O::BodyUnreadable => &c.bad_requests,
+            O::InvalidKey | O::BodyTimeout | O::BodyUnreadable | O::Unverified => &c.bad_requests,
             O::BodyTooLarge => &c.too_large,
             O::NoScope | O::HandlerFailed => &c.handler_failures,
         };

@@ -221,3 +221,4 @@ mod refusals;
 mod completion;
 mod leases;
 mod protection;
+mod webhooks;
