@@ -10,6 +10,7 @@
 //! | [`client`] | call an API that honours the key: one key per logical call, safe retries |
 //! | [`units_of_work`] | run queue consumers and scheduled jobs once per key |
 //! | [`grpc`] | guard a tonic server or a plain hyper one |
+//! | [`webhooks`] | receive webhooks once per event: the key where the sender puts it, the signature checked before the claim |
 //! | [`operating`] | read the metrics, load the dashboard and alerts, check the stores, unstick a key |
 //! | [`failure_matrix`] | see each fault the crate was tested against, what callers got, and the test |
 //! | [`sizing_and_limits`] | size Redis and Postgres for a load, and know what the crate does not do |
@@ -42,6 +43,10 @@ pub mod units_of_work {
 
 pub mod grpc {
     #![doc = include_str!("../docs/grpc.md")]
+}
+
+pub mod webhooks {
+    #![doc = include_str!("../docs/webhooks.md")]
 }
 
 pub mod operating {

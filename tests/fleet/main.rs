@@ -301,6 +301,10 @@ mod store_faults;
 mod kills;
 mod citus;
 mod wakeups;
+mod webhooks;
+/// The webhooks example's signatures, which the tests sign deliveries with.
+#[path = "../../examples/webhooks/signatures.rs"]
+mod signatures;
 
 /// A test whose program is missing is reported as not run (see `tests/support/needs.rs`).
 fn main() -> std::process::ExitCode {
@@ -323,6 +327,7 @@ fn main() -> std::process::ExitCode {
     ];
     tests.extend(crate::tests![&[];
         kills::a_hanging_provider_holds_no_lock_and_duplicates_are_told_it_is_in_flight,
+        webhooks::signatures_agree_with_the_senders_libraries,
     ]);
     tests.extend(crate::tests![&[PostgresServer];
         wakeups::a_duplicate_on_another_instance_is_woken_by_postgres_not_polling,
@@ -330,6 +335,8 @@ fn main() -> std::process::ExitCode {
     tests.extend(crate::tests![&[RedisServer, PostgresServer];
         wakeups::a_duplicate_on_another_instance_is_woken_by_redis_not_polling,
         wakeups::a_herd_of_duplicates_over_four_instances_listens_once_a_process,
+        webhooks::each_event_is_handled_once_through_forgeries_duplicates_and_redeliveries,
+        webhooks::an_instance_killed_mid_handler_leaves_the_event_to_the_senders_retry,
     ]);
     tests.extend(crate::tests![&[RedisServer, RedisCli];
         store_faults::a_fleet_on_a_redis_cluster_survives_failovers_a_killed_master_and_a_resharding,
