@@ -4,9 +4,9 @@ instructions (valgrind's callgrind) and heap allocations and bytes (valgrind's D
 operation: allocations the same from run to run on one build, instructions within 0.5 %,
 whatever else the machine does.
 
-    python3 benches/counts.py [WORKLOAD ...] [--n N]
+    python3 benches/counts.py [WORKLOAD ...] [--n N] [--record FILE | --check FILE]
 
-WORKLOADs: bare, layer, cached, naive, redis (all by default; see benches/counts.rs). Each runs at N and
+WORKLOADs: bare, layer, cached, replay, naive, redis (all by default; see benches/counts.rs). Each runs at N and
 at 6N operations (N = 500 by default), and the figures are the difference over the 5N extra
 ones, so start-up, connecting and a script's first load are left out. naive and redis need the
 Redis of REDIS_URL (default redis://127.0.0.1:6379/). Needs valgrind (Debian's package).
@@ -14,6 +14,11 @@ Redis of REDIS_URL (default redis://127.0.0.1:6379/). Needs valgrind (Debian's p
 valgrind's CPU has no SHA extensions, so SHA-256 runs its portable code there, several times
 what it costs on a CPU that has them: the layer's row is given with and without the `sha2`
 crate's functions (the fingerprint's hashing).
+
+--record FILE writes each workload's instructions and allocations an operation to FILE (JSON);
+--check FILE compares with it and fails when a workload costs more than LIMIT (2 %) over what
+FILE holds, in instructions or in allocations: a change that costs more records the new
+figures in the same commit and says why (.ci/counts runs the check, on benches/counts.json).
 """
 
 import json
@@ -24,7 +29,10 @@ import sys
 import tempfile
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-WORKLOADS = ["bare", "layer", "cached", "naive", "redis"]
+WORKLOADS = ["bare", "layer", "cached", "replay", "naive", "redis"]
+
+# How much more than the recorded figures a workload may cost before --check fails.
+LIMIT = 0.02
 
 
 def build():
@@ -82,13 +90,49 @@ def measure(binary, workload, n, scratch):
             "bytes": size}
 
 
+def option(args, name):
+    """The value of `name` in args (removed from them), or None."""
+    if name not in args:
+        return None
+    at = args.index(name)
+    value = args[at + 1]
+    del args[at:at + 2]
+    return value
+
+
+def check(rows, path):
+    """Each workload against the figures recorded in `path`: False if any costs more than LIMIT
+    over them."""
+    with open(path) as f:
+        recorded = json.load(f)
+    ok = True
+    print()
+    for workload, row in rows.items():
+        if workload not in recorded:
+            print("%s: nothing recorded in %s" % (workload, path))
+            ok = False
+            continue
+        for measure in ("instructions", "allocations"):
+            was, now = recorded[workload][measure], row[measure]
+            change = (now - was) / was
+            verdict = "ok"
+            if change > LIMIT:
+                verdict, ok = "MORE THAN %d %% OVER" % round(LIMIT * 100), False
+            elif change < -LIMIT:
+                verdict = "less: record it (--record %s)" % path
+            print("%s %s: %s recorded, %s now (%+.2f %%): %s" % (
+                workload, measure, format(round(was), ","), format(round(now), ","),
+                100 * change, verdict))
+    if not ok:
+        print("\na workload costs more than %s records: find why, or record the new figures "
+              "(python3 benches/counts.py --record %s) in the commit that says why" % (path, path))
+    return ok
+
+
 def main():
     args = sys.argv[1:]
-    n = 500
-    if "--n" in args:
-        at = args.index("--n")
-        n = int(args[at + 1])
-        del args[at:at + 2]
+    n = int(option(args, "--n") or 500)
+    record, against = option(args, "--record"), option(args, "--check")
     workloads = args or WORKLOADS
     for workload in workloads:
         if workload not in WORKLOADS:
@@ -116,12 +160,29 @@ def main():
         print("the replay cache, a fresh request (cached - layer): %s instructions, %.1f "
               "allocations" % (format(round(cached["without_sha"] - layer["without_sha"]), ","),
                                cached["allocations"] - layer["allocations"]))
+    if "replay" in rows and "bare" in rows:
+        replay, bare = rows["replay"], rows["bare"]
+        print("the layer's own, a replay from memory (replay - bare): %s instructions without "
+              "SHA-256, %.1f allocations" % (
+                  format(round(replay["without_sha"] - bare["without_sha"]), ","),
+                  replay["allocations"] - bare["allocations"]))
     if "redis" in rows and "naive" in rows:
         redis, naive = rows["redis"], rows["naive"]
         print("the Redis store's claim and completion against the naive guard's two commands: "
               "%.2fx the instructions, %.2fx the allocations" % (
                   redis["without_sha"] / naive["without_sha"],
                   redis["allocations"] / naive["allocations"]))
+
+    if record:
+        figures = {workload: {"instructions": round(row["instructions"]),
+                              "allocations": round(row["allocations"], 1)}
+                   for workload, row in rows.items()}
+        with open(record, "w") as f:
+            json.dump(figures, f, indent=2, sort_keys=True)
+            f.write("\n")
+        print("\nrecorded in %s" % record)
+    if against and not check(rows, against):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

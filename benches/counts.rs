@@ -19,6 +19,8 @@
 //! - `layer`: the same through the layer on the memory store;
 //! - `cached`: the same through the layer on the memory store behind `CachedStore` (what the
 //!   replay cache costs a fresh key);
+//! - `replay`: the same request again and again, its key completed once: every operation a
+//!   replay from the memory store;
 //! - `naive`: the naive guard's two commands on Redis (`SET key "" NX EX`, then `SET key answer
 //!   EX`), through redis-rs's `ConnectionManager`, as the load bench sends them;
 //! - `redis`: a claim and a completion of a fresh key through `RedisStore` (the fingerprint made
@@ -43,7 +45,9 @@ use route::{ANSWER, app, send};
 fn main() {
     let mut args = std::env::args().skip(1);
     let (Some(workload), Some(Ok(n))) = (args.next(), args.next().map(|n| n.parse::<u64>())) else {
-        eprintln!("usage: counts <bare|layer|cached|naive|redis> <n> (see benches/counts.py)");
+        eprintln!(
+            "usage: counts <bare|layer|cached|replay|naive|redis> <n> (see benches/counts.py)"
+        );
         std::process::exit(2);
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -64,6 +68,10 @@ fn main() {
                 let store = CachedStore::new(MemoryStore::new().with_max_entries(100_000));
                 requests(app(Some(IdempotencyLayer::new(store))), n).await;
             }
+            "replay" => {
+                let store = MemoryStore::new().with_max_entries(100_000);
+                replays(app(Some(IdempotencyLayer::new(store))), n).await;
+            }
             "naive" => naive(&url, &run, n).await,
             "redis" => store(&url, &run, n).await,
             other => panic!("no workload {other:?}"),
@@ -75,6 +83,15 @@ async fn requests(app: Router, n: u64) {
     let body = Bytes::from(vec![b'x'; 1024]);
     for i in 0..n {
         send(&app, format!("fresh-{i}"), &body).await;
+    }
+}
+
+/// One request, then `n` more of it: each a replay of the first's answer.
+async fn replays(app: Router, n: u64) {
+    let body = Bytes::from(vec![b'x'; 1024]);
+    send(&app, "replayed".to_owned(), &body).await;
+    for _ in 0..n {
+        send(&app, "replayed".to_owned(), &body).await;
     }
 }
 
