@@ -106,6 +106,30 @@ pub(crate) struct Listeners {
     task: mpsc::UnboundedSender<Subscription>,
 }
 
+/// A store's registry and the task that serves it, started by the first waiter and again once
+/// that task stopped (its runtime shut down): what each store that listens keeps, whatever its
+/// connection.
+#[derive(Debug, Default)]
+pub(crate) struct Started(Mutex<Option<Arc<Listeners>>>);
+
+impl Started {
+    /// The registry whose task runs, or a new one, whose task `start` spawns with the registry
+    /// it serves (held weakly: the task ends when the store is gone) and what it is asked.
+    pub(crate) fn listeners(
+        &self,
+        start: impl FnOnce(Weak<Listeners>, mpsc::UnboundedReceiver<Subscription>),
+    ) -> Arc<Listeners> {
+        let mut running = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(listeners) = running.as_ref().filter(|listeners| listeners.is_served()) {
+            return Arc::clone(listeners);
+        }
+        let (listeners, requests) = Listeners::new();
+        start(Arc::downgrade(&listeners), requests);
+        *running = Some(Arc::clone(&listeners));
+        listeners
+    }
+}
+
 /// How long a waiter waits for its subscription to be confirmed before it does without.
 const CONFIRMATION: Duration = Duration::from_secs(1);
 

@@ -9,7 +9,7 @@
 //! server): only keys a duplicate waits for pass through it, and while it is down waiters poll.
 
 use std::{
-    sync::{Arc, Mutex, PoisonError, Weak},
+    sync::{Arc, Weak},
     time::Duration,
 };
 
@@ -26,7 +26,7 @@ use super::{
 };
 use crate::store::{
     BoxFuture, Marked, RecordKey, StoreError, Wake,
-    wake::{Listeners, Subscription},
+    wake::{Listeners, Started, Subscription},
 };
 
 /// The channel every key's end is told on.
@@ -46,9 +46,9 @@ fn id(scope: &str, key: &str) -> String {
     )
 }
 
-/// The registry of the keys this process's waiters listen for, with the listener, started by
-/// the first waiter (and again after it stopped: its runtime shut down).
-pub(super) type Listening = Arc<Mutex<Option<Arc<Listeners>>>>;
+/// The registry of the keys this process's waiters listen for, with the listener, shared by the
+/// store's clones.
+pub(super) type Listening = Arc<Started>;
 
 impl crate::store::Wakes for PostgresStore {
     fn listen<'a>(&'a self, record: &'a RecordKey) -> BoxFuture<'a, Result<Wake, StoreError>> {
@@ -110,19 +110,11 @@ impl PostgresStore {
     /// The registry of the keys this process's waiters listen for, its listener started on
     /// the current runtime if none runs.
     fn listeners(&self) -> Arc<Listeners> {
-        let mut running = self
-            .listening
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(listeners) = running.as_ref().filter(|listeners| listeners.is_served()) {
-            return Arc::clone(listeners);
-        }
-        let (listeners, requests) = Listeners::new();
-        let (up, pool) = (watch::Sender::new(false), self.listener_pool());
-        tokio::spawn(answer(requests, up.subscribe(), pool.clone()));
-        tokio::spawn(listen(pool, Arc::downgrade(&listeners), up));
-        *running = Some(Arc::clone(&listeners));
-        listeners
+        self.listening.listeners(|listeners, requests| {
+            let (up, pool) = (watch::Sender::new(false), self.listener_pool());
+            tokio::spawn(answer(requests, up.subscribe(), pool.clone()));
+            tokio::spawn(listen(pool, listeners, up));
+        })
     }
 
     /// A pool of one connection for the listener, to the pool's server (Citus's coordinator),

@@ -9,7 +9,7 @@
 //! subscribes to it (`SSUBSCRIBE`) while a waiter of the process waits for the key.
 
 use std::{
-    sync::{Arc, Mutex, PoisonError, Weak},
+    sync::{Arc, Weak},
     time::Duration,
 };
 
@@ -26,7 +26,7 @@ use super::{
 };
 use crate::store::{
     BoxFuture, Marked, RecordKey, StoreError, Wake,
-    wake::{Listeners, Subscription},
+    wake::{Listeners, Started, Subscription},
 };
 
 /// A store's waking of waiters: the channel a server's keys end on, and the listener, started
@@ -34,14 +34,14 @@ use crate::store::{
 #[derive(Debug)]
 pub(super) struct Wakes {
     ends: Arc<str>,
-    listeners: Mutex<Option<Arc<Listeners>>>,
+    listeners: Started,
 }
 
 impl Wakes {
     pub(super) fn new(prefix: &str) -> Self {
         Self {
             ends: Arc::from(format!("{prefix}ends")),
-            listeners: Mutex::default(),
+            listeners: Started::default(),
         }
     }
 
@@ -90,24 +90,15 @@ impl RedisStore {
     /// The registry of the keys this process's waiters listen for, its listener started on
     /// the current runtime if none runs.
     fn listeners(&self) -> Arc<Listeners> {
-        let mut running = self
-            .wakes
-            .listeners
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(listeners) = running.as_ref().filter(|listeners| listeners.is_served()) {
-            return Arc::clone(listeners);
-        }
-        let (listeners, requests) = Listeners::new();
-        let listener = Listener {
-            backend: self.backend.clone(),
-            timeout: self.timeout.max(Duration::from_secs(1)),
-            ends: Arc::clone(&self.wakes.ends),
-            listeners: Arc::downgrade(&listeners),
-        };
-        tokio::spawn(listener.run(requests));
-        *running = Some(Arc::clone(&listeners));
-        listeners
+        self.wakes.listeners.listeners(|listeners, requests| {
+            let listener = Listener {
+                backend: self.backend.clone(),
+                timeout: self.timeout.max(Duration::from_secs(1)),
+                ends: Arc::clone(&self.wakes.ends),
+                listeners,
+            };
+            tokio::spawn(listener.run(requests));
+        })
     }
 }
 
