@@ -792,9 +792,6 @@ async fn a_duplicate_elsewhere_is_woken_through_its_keys_shard_channel() {
     for key in ["k-one", "k-two", "k-three"] {
         let instances = (elsewhere(), elsewhere());
         let woken = support::duplicate_elsewhere(instances, key, async || {}).await;
-        let answered = (woken.answer.status, woken.answer.replayed(), woken.runs);
-        assert_eq!(answered, (StatusCode::CREATED, true, 1), "{key}");
-        let counted = (woken.counters.woken, woken.counters.polled);
-        assert_eq!(counted, (1, 0), "{key}: {:?}", woken.counters);
+        woken.assert_woken(1, key);
     }
 }

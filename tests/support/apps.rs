@@ -293,6 +293,32 @@ pub struct Duplicate {
     pub runs: usize,
 }
 
+impl Duplicate {
+    /// The duplicate got the first request's answer, replayed, the handler ran once, and the
+    /// duplicate was woken `times` (by the store's word, or by its listener lost), never by a
+    /// poll. `what` names the case in a failure.
+    pub fn assert_woken(&self, times: u64, what: &str) {
+        assert_eq!(
+            self.answer.status,
+            StatusCode::CREATED,
+            "{what}: {:?}",
+            self.answer
+        );
+        assert!(self.answer.replayed(), "{what}: the duplicate ran");
+        assert_eq!(
+            (self.runs, &self.answer.body),
+            (1, &self.first.body),
+            "{what}: runs, and the answer"
+        );
+        assert_eq!(
+            (self.counters.woken, self.counters.polled),
+            (times, 0),
+            "{what}: {:?}",
+            self.counters
+        );
+    }
+}
+
 /// Two instances of one app, each its own layer on its own store (`first`, `second`: two
 /// store objects on one backend, as two processes have), the handler answering 201 "paid" once
 /// `gate` opens. The key `key` is sent to the first instance, and, 100 ms later, to the second,
