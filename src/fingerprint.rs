@@ -197,10 +197,7 @@ impl JsonFields {
     fn new<P: Into<String>>(only: bool, pointers: impl IntoIterator<Item = P>) -> Self {
         let pointers: Vec<String> = pointers.into_iter().map(Into::into).collect();
         for pointer in &pointers {
-            assert!(
-                pointer.starts_with('/'),
-                "{pointer:?} is not a JSON pointer to a field: it must start with '/'"
-            );
+            crate::key::assert_json_pointer(pointer);
         }
         Self { only, pointers }
     }

@@ -142,6 +142,19 @@ impl TryFrom<&str> for IdempotencyKey {
     }
 }
 
+/// Checks that `pointer` is a JSON pointer to a field (RFC 6901: it starts with `/`), as the
+/// layer's options that take one require.
+///
+/// # Panics
+///
+/// If it is not.
+pub(crate) fn assert_json_pointer(pointer: &str) {
+    assert!(
+        pointer.starts_with('/'),
+        "{pointer:?} is not a JSON pointer to a field: it must start with '/'"
+    );
+}
+
 /// Why an idempotency key was refused (the layer answers 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

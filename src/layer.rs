@@ -133,10 +133,7 @@ impl IdempotencyLayer {
     ///
     /// If `pointer` does not start with `/`.
     pub fn with_key_from_body(mut self, pointer: &str) -> Self {
-        assert!(
-            pointer.starts_with('/'),
-            "{pointer:?} is not a JSON pointer to a field: it must start with '/'"
-        );
+        crate::key::assert_json_pointer(pointer);
         self.settings.key_in_body = Some(Arc::from(pointer));
         self
     }
