@@ -31,6 +31,13 @@ import tempfile
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 WORKLOADS = ["bare", "layer", "cached", "replay", "naive", "redis"]
 
+# What one workload costs over another: (what it is, the workload, the one it is over).
+DIFFERENCES = [
+    ("the layer's own, a fresh request", "layer", "bare"),
+    ("the replay cache, a fresh request", "cached", "layer"),
+    ("the layer's own, a replay from memory", "replay", "bare"),
+]
+
 # How much more than the recorded figures a workload may cost before --check fails.
 LIMIT = 0.02
 
@@ -149,23 +156,13 @@ def main():
         print("| %s | %s | %s | %.1f | %s |" % (
             workload, format(round(row["instructions"]), ","), format(round(row["without_sha"]), ","),
             row["allocations"], format(round(row["bytes"]), ",")))
-    if "layer" in rows and "bare" in rows:
-        layer, bare = rows["layer"], rows["bare"]
-        print("\nthe layer's own, a fresh request (layer - bare): %s instructions without "
-              "SHA-256, %.1f allocations" % (
-                  format(round(layer["without_sha"] - bare["without_sha"]), ","),
-                  layer["allocations"] - bare["allocations"]))
-    if "cached" in rows and "layer" in rows:
-        cached, layer = rows["cached"], rows["layer"]
-        print("the replay cache, a fresh request (cached - layer): %s instructions, %.1f "
-              "allocations" % (format(round(cached["without_sha"] - layer["without_sha"]), ","),
-                               cached["allocations"] - layer["allocations"]))
-    if "replay" in rows and "bare" in rows:
-        replay, bare = rows["replay"], rows["bare"]
-        print("the layer's own, a replay from memory (replay - bare): %s instructions without "
-              "SHA-256, %.1f allocations" % (
-                  format(round(replay["without_sha"] - bare["without_sha"]), ","),
-                  replay["allocations"] - bare["allocations"]))
+    print()
+    for what, workload, under in DIFFERENCES:
+        if workload in rows and under in rows:
+            row, base = rows[workload], rows[under]
+            print("%s (%s - %s): %s instructions without SHA-256, %.1f allocations" % (
+                what, workload, under, format(round(row["without_sha"] - base["without_sha"]), ","),
+                row["allocations"] - base["allocations"]))
     if "redis" in rows and "naive" in rows:
         redis, naive = rows["redis"], rows["naive"]
         print("the Redis store's claim and completion against the naive guard's two commands: "
